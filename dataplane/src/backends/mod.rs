@@ -1,0 +1,175 @@
+//! The seam between desired state and the kernel.
+//!
+//! Each backend object (an IP-set family, an iptables table, a route table)
+//! holds what the managers queued and what it last read from the kernel,
+//! computes the minimal diff and applies it in one batch. `apply` is the only
+//! place that does I/O. Backends are synchronous (they spawn the kernel tools
+//! or speak netlink on their own socket); the loop runs them off the async
+//! runtime, concurrently within a phase.
+
+pub mod recording;
+
+use std::time::Duration;
+
+/// Order of the apply phases (Felix's `apply()`): IP sets are created and
+/// updated before the tables that reference them; routes and rules run
+/// beside them; tables next; IP-set deletions last, once nothing references
+/// the sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    IpSetUpdates,
+    RoutesAndRules,
+    Tables,
+    IpSetDeletions,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 4] = [
+        Phase::IpSetUpdates,
+        Phase::RoutesAndRules,
+        Phase::Tables,
+        Phase::IpSetDeletions,
+    ];
+}
+
+/// Which refresh timer fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refresh {
+    IpSets,
+    Routes,
+    Xdp,
+    Iptables,
+}
+
+/// What a successful apply asks of the loop.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// Apply again after this long (e.g. to re-read a table after a write).
+    pub reschedule_after: Option<Duration>,
+}
+
+/// Errors from talking to the kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A kernel tool exited non-zero. Usually transient (lock contention,
+    /// a concurrent writer): retried with backoff, then a resync.
+    #[error("{backend}: `{command}` failed ({status}): {stderr}")]
+    Command {
+        backend: &'static str,
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    /// An I/O error spawning or talking to the kernel.
+    #[error("{backend}: {context}")]
+    Io {
+        backend: &'static str,
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A failure scripted by a recording backend (tests only).
+    #[error("{backend}: scripted failure on call {call}")]
+    Scripted { backend: &'static str, call: usize },
+}
+
+impl BackendError {
+    /// Whether a retry can help. A missing tool (ENOENT) will not appear by
+    /// itself; everything else is worth retrying.
+    pub fn retryable(&self) -> bool {
+        match self {
+            Self::Io { source, .. } => source.kind() != std::io::ErrorKind::NotFound,
+            _ => true,
+        }
+    }
+}
+
+/// One kernel object the loop drives.
+pub trait Backend: Send {
+    fn name(&self) -> &'static str;
+    fn phase(&self) -> Phase;
+    /// Desired and observed state differ (or a resync is pending).
+    fn is_dirty(&self) -> bool;
+    /// A refresh timer fired: re-read the kernel at the next apply if this
+    /// backend cares about `refresh`.
+    fn request_resync(&mut self, refresh: Refresh);
+    /// Bring the kernel to the desired state. Blocking I/O is allowed.
+    fn apply(&mut self) -> Result<ApplyOutcome, BackendError>;
+}
+
+/// All backend objects, filled by the managers during
+/// `complete_deferred_work`. Subsystems add their typed objects here; the
+/// loop drives every one through [`DesiredKernel::backends_mut`].
+#[derive(Default)]
+pub struct DesiredKernel {
+    /// Backends without a typed slot (and the recording ones in tests).
+    pub others: Vec<Box<dyn Backend>>,
+}
+
+impl std::fmt::Debug for DesiredKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DesiredKernel")
+            .field("others", &self.others.iter().map(|b| b.name()).collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl DesiredKernel {
+    pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn Backend>> {
+        self.others.iter_mut()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.others.is_empty()
+    }
+
+    pub fn any_dirty(&mut self) -> bool {
+        self.backends_mut().any(|b| b.is_dirty())
+    }
+
+    pub fn request_resync(&mut self, refresh: Refresh) {
+        for b in self.backends_mut() {
+            b.request_resync(refresh);
+        }
+    }
+
+    /// Run every dirty backend, phase by phase; backends of one phase run
+    /// concurrently on scoped threads. A failing phase stops the apply:
+    /// later phases may depend on it (a rule needs its IP set).
+    pub fn apply_all(&mut self) -> Result<ApplyOutcome, Vec<BackendError>> {
+        let mut outcome = ApplyOutcome::default();
+        for phase in Phase::ALL {
+            let mut group: Vec<&mut Box<dyn Backend>> = self
+                .backends_mut()
+                .filter(|b| b.phase() == phase && b.is_dirty())
+                .collect();
+            let results: Vec<Result<ApplyOutcome, BackendError>> = match group.len() {
+                0 => continue,
+                1 => vec![group[0].apply()],
+                _ => std::thread::scope(|s| {
+                    let handles: Vec<_> = group.iter_mut().map(|b| s.spawn(|| b.apply())).collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().expect("backend apply panicked"))
+                        .collect()
+                }),
+            };
+            let mut errors = Vec::new();
+            for r in results {
+                match r {
+                    Ok(o) => {
+                        outcome.reschedule_after = match (outcome.reschedule_after, o.reschedule_after) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        }
+                    }
+                    Err(e) => errors.push(e),
+                }
+            }
+            if !errors.is_empty() {
+                return Err(errors);
+            }
+        }
+        Ok(outcome)
+    }
+}

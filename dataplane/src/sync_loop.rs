@@ -1,0 +1,492 @@
+//! The sync loop, as Felix's `loopUpdatingDataplane`: one task owns the
+//! managers and backends and selects over feeder messages, interface events,
+//! refresh ticks, the reschedule timer, throttle refill and the retry timer.
+//! It applies only when the datastore and the interface monitor are in sync,
+//! something is dirty and the throttle admits.
+
+use std::collections::{BTreeMap, HashMap};
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use governor::clock::{Clock, DefaultClock};
+use governor::{Quota, RateLimiter};
+use rand::Rng;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::backends::{DesiredKernel, Refresh};
+use crate::interfaces::InterfaceEvent;
+use crate::managers::Manager;
+use crate::model::{Key, Member, Update};
+use crate::session::Store;
+
+/// Identifies one feeder stream.
+pub type SessionId = u64;
+
+/// A message refused by the loop (it needs state the edge does not have,
+/// e.g. a delta for an unknown IP set).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub sequence_number: u64,
+    pub field: String,
+    pub reason: String,
+}
+
+/// What the feeder side sends into the loop.
+#[derive(Debug)]
+pub enum Feed {
+    Open {
+        session: SessionId,
+        /// Highest sequence number of this session now programmed.
+        programmed: watch::Sender<u64>,
+        rejections: mpsc::UnboundedSender<Rejection>,
+    },
+    Message {
+        session: SessionId,
+        seq: u64,
+        update: Update,
+    },
+    Close {
+        session: SessionId,
+    },
+}
+
+/// What the loop reports (converted to `felix.FromDataplane` at the edge).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatusEvent {
+    DataplaneInSync,
+    ProcessStatus { iso_timestamp: String, uptime: f64 },
+}
+
+/// A snapshot of the loop's state, published after every change.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Status {
+    pub in_sync: bool,
+    pub datastore_in_sync: bool,
+    pub interfaces_in_sync: bool,
+    pub dirty: bool,
+    pub last_programmed: u64,
+    pub applies: u64,
+    pub failed_applies: u64,
+    pub objects: BTreeMap<&'static str, u64>,
+    pub feeders: u32,
+    pub last_error: Option<String>,
+}
+
+/// Timings (Felix's defaults).
+#[derive(Debug, Clone)]
+pub struct LoopConfig {
+    pub throttle_burst: u32,
+    pub throttle_period: Duration,
+    pub drain_max: usize,
+    pub retry_interval: Duration,
+    pub ipset_refresh: Duration,
+    pub route_refresh: Duration,
+    pub xdp_refresh: Duration,
+    pub iptables_refresh: Duration,
+    pub interface_refresh: Duration,
+    /// Fraction of each refresh period added at random (0.1 = 10%).
+    pub jitter: f64,
+    pub heartbeat_first: Duration,
+    pub heartbeat_every: Duration,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        Self {
+            throttle_burst: 10,
+            throttle_period: Duration::from_millis(100),
+            drain_max: 100,
+            retry_interval: Duration::from_secs(10),
+            ipset_refresh: Duration::from_secs(90),
+            route_refresh: Duration::from_secs(90),
+            xdp_refresh: Duration::from_secs(90),
+            iptables_refresh: Duration::from_secs(180),
+            interface_refresh: Duration::from_secs(90),
+            jitter: 0.1,
+            heartbeat_first: Duration::from_secs(10),
+            heartbeat_every: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The loop's channels to the rest of the daemon.
+#[derive(Debug)]
+pub struct Channels {
+    pub feed: mpsc::Receiver<Feed>,
+    pub interfaces: mpsc::Receiver<InterfaceEvent>,
+    /// Asks the interface monitor to re-dump (interface refresh tick).
+    pub interface_resync: Option<mpsc::Sender<()>>,
+    pub events: broadcast::Sender<StatusEvent>,
+    pub status: watch::Sender<Status>,
+}
+
+/// A periodic timer with jitter; disabled when the period is zero.
+#[derive(Debug)]
+struct Ticker {
+    period: Duration,
+    jitter: f64,
+    next: Option<Instant>,
+}
+
+impl Ticker {
+    fn new(period: Duration, jitter: f64) -> Self {
+        let mut t = Self { period, jitter, next: None };
+        t.rearm();
+        t
+    }
+    fn rearm(&mut self) {
+        self.next = (!self.period.is_zero()).then(|| {
+            let extra = self.period.mul_f64(rand::rng().random_range(0.0..=self.jitter.max(0.0)));
+            Instant::now() + self.period + extra
+        });
+    }
+}
+
+async fn sleep_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+struct SessionState {
+    start: u64,
+    swept: bool,
+    highest: Option<u64>,
+    programmed: watch::Sender<u64>,
+    rejections: mpsc::UnboundedSender<Rejection>,
+}
+
+/// The loop itself.
+pub struct SyncLoop {
+    cfg: LoopConfig,
+    managers: Vec<Box<dyn Manager>>,
+    kernel: Option<DesiredKernel>,
+    store: Store,
+    sessions: HashMap<SessionId, SessionState>,
+    throttle: RateLimiter<governor::state::NotKeyed, governor::state::InMemoryState, DefaultClock>,
+    clock: DefaultClock,
+    status: Status,
+    dirty: bool,
+    in_sync_sent: bool,
+    pending_refresh: Vec<Refresh>,
+    retry_at: Option<Instant>,
+    reschedule_at: Option<Instant>,
+    refill_at: Option<Instant>,
+}
+
+impl std::fmt::Debug for SyncLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncLoop").field("status", &self.status).finish_non_exhaustive()
+    }
+}
+
+impl SyncLoop {
+    pub fn new(cfg: LoopConfig, managers: Vec<Box<dyn Manager>>, kernel: DesiredKernel) -> Self {
+        let burst = NonZeroU32::new(cfg.throttle_burst.max(1)).expect("max(1)");
+        let quota = Quota::with_period(cfg.throttle_period.max(Duration::from_micros(1)))
+            .expect("non-zero period")
+            .allow_burst(burst);
+        Self {
+            cfg,
+            managers,
+            kernel: Some(kernel),
+            store: Store::default(),
+            sessions: HashMap::new(),
+            throttle: RateLimiter::direct(quota),
+            clock: DefaultClock::default(),
+            status: Status::default(),
+            dirty: false,
+            in_sync_sent: false,
+            pending_refresh: Vec::new(),
+            retry_at: None,
+            reschedule_at: None,
+            refill_at: None,
+        }
+    }
+
+    /// Run until the feed channel closes (all senders dropped) or `shutdown`
+    /// resolves. Kernel state is left as it is.
+    pub async fn run(mut self, mut ch: Channels, shutdown: impl std::future::Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        let cfg = self.cfg.clone();
+        let mut ipsets = Ticker::new(cfg.ipset_refresh, cfg.jitter);
+        let mut routes = Ticker::new(cfg.route_refresh, cfg.jitter);
+        let mut xdp = Ticker::new(cfg.xdp_refresh, cfg.jitter);
+        let mut iptables = Ticker::new(cfg.iptables_refresh, cfg.jitter);
+        let mut ifaces = Ticker::new(cfg.interface_refresh, cfg.jitter);
+        let started = Instant::now();
+        let mut heartbeat_at = Some(started + cfg.heartbeat_first);
+        let mut interfaces_open = true;
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                msg = ch.feed.recv() => {
+                    let Some(msg) = msg else { break };
+                    self.on_feed(msg);
+                    for _ in 0..cfg.drain_max {
+                        match ch.feed.try_recv() {
+                            Ok(m) => self.on_feed(m),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                ev = ch.interfaces.recv(), if interfaces_open => {
+                    match ev {
+                        Some(ev) => {
+                            self.on_interface(ev);
+                            for _ in 0..cfg.drain_max {
+                                match ch.interfaces.try_recv() {
+                                    Ok(e) => self.on_interface(e),
+                                    Err(_) => break,
+                                }
+                            }
+                        }
+                        None => interfaces_open = false,
+                    }
+                }
+                () = sleep_opt(ipsets.next) => { ipsets.rearm(); self.refresh(Refresh::IpSets); }
+                () = sleep_opt(routes.next) => { routes.rearm(); self.refresh(Refresh::Routes); }
+                () = sleep_opt(xdp.next) => { xdp.rearm(); self.refresh(Refresh::Xdp); }
+                () = sleep_opt(iptables.next) => { iptables.rearm(); self.refresh(Refresh::Iptables); }
+                () = sleep_opt(ifaces.next) => {
+                    ifaces.rearm();
+                    if let Some(tx) = &ch.interface_resync {
+                        let _ = tx.try_send(());
+                    }
+                }
+                () = sleep_opt(self.reschedule_at) => { self.reschedule_at = None; self.dirty = true; }
+                () = sleep_opt(self.refill_at) => { self.refill_at = None; }
+                () = sleep_opt(self.retry_at) => { self.retry_at = None; debug!("retry tick"); }
+                () = sleep_opt(heartbeat_at) => {
+                    heartbeat_at = Some(Instant::now() + cfg.heartbeat_every);
+                    let _ = ch.events.send(StatusEvent::ProcessStatus {
+                        iso_timestamp: iso_now(),
+                        uptime: started.elapsed().as_secs_f64(),
+                    });
+                }
+            }
+            self.maybe_apply(&ch).await;
+            self.publish(&ch);
+        }
+        info!("sync loop stopped; kernel state left as it is");
+    }
+
+    fn dispatch(&mut self, update: &Update) {
+        self.store.record(update);
+        for m in &mut self.managers {
+            m.on_update(update);
+        }
+        self.dirty = true;
+    }
+
+    fn on_feed(&mut self, feed: Feed) {
+        match feed {
+            Feed::Open { session, programmed, rejections } => {
+                self.sessions.insert(
+                    session,
+                    SessionState { start: self.store.now(), swept: false, highest: None, programmed, rejections },
+                );
+            }
+            Feed::Close { session } => {
+                self.sessions.remove(&session);
+            }
+            Feed::Message { session, seq, update } => self.on_message(session, seq, update),
+        }
+        self.status.feeders = u32::try_from(self.sessions.len()).unwrap_or(u32::MAX);
+    }
+
+    fn on_message(&mut self, session: SessionId, seq: u64, mut update: Update) {
+        match &mut update {
+            Update::InSync => {
+                let sweep_since = self.sessions.get_mut(&session).and_then(|s| {
+                    (!s.swept).then(|| {
+                        s.swept = true;
+                        s.start
+                    })
+                });
+                if let Some(since) = sweep_since {
+                    let stale = self.store.sweep(since);
+                    if !stale.is_empty() {
+                        info!(session, removed = stale.len(), "snapshot complete: removing objects it did not contain");
+                    }
+                    for key in stale {
+                        let remove = Update::Remove(key);
+                        for m in &mut self.managers {
+                            m.on_update(&remove);
+                        }
+                    }
+                }
+                self.status.datastore_in_sync = true;
+                self.dirty = true;
+            }
+            Update::IpSetDeltaUpdate(delta) => {
+                let key = Key::IpSet(delta.id.clone());
+                let Some(ty) = self.store.ipset_type(&key) else {
+                    self.reject(session, seq, "ipset_delta_update.id", format!("no IP set {} exists", delta.id));
+                    return;
+                };
+                // Members were parsed by shape at the edge; bring them to the
+                // set's own type (a bare IP in a hash:net set is a /32).
+                for (name, list) in [("added_members", &mut delta.added), ("removed_members", &mut delta.removed)] {
+                    for (i, m) in list.iter_mut().enumerate() {
+                        match Member::parse(ty, &m.to_string()) {
+                            Ok(norm) => *m = norm,
+                            Err(e) => {
+                                let field = format!("ipset_delta_update.{name}[{i}]");
+                                self.reject(session, seq, &field, format!("{}; set is {}", e.reason, ty.ipset_type()));
+                                return;
+                            }
+                        }
+                    }
+                }
+                self.dispatch(&update);
+            }
+            _ => self.dispatch(&update),
+        }
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.highest = Some(s.highest.map_or(seq, |h| h.max(seq)));
+        }
+    }
+
+    fn reject(&mut self, session: SessionId, seq: u64, field: &str, reason: String) {
+        warn!(session, seq, field, %reason, "message rejected");
+        if let Some(s) = self.sessions.get(&session) {
+            let _ = s.rejections.send(Rejection { sequence_number: seq, field: field.into(), reason });
+        }
+    }
+
+    fn on_interface(&mut self, ev: InterfaceEvent) {
+        if ev == InterfaceEvent::InSync {
+            self.status.interfaces_in_sync = true;
+        } else {
+            for m in &mut self.managers {
+                m.on_interface(&ev);
+            }
+        }
+        self.dirty = true;
+    }
+
+    fn refresh(&mut self, r: Refresh) {
+        debug!(?r, "refresh tick");
+        self.pending_refresh.push(r);
+        self.dirty = true;
+    }
+
+    async fn maybe_apply(&mut self, ch: &Channels) {
+        if !(self.status.datastore_in_sync && self.status.interfaces_in_sync && self.dirty) {
+            return;
+        }
+        if self.retry_at.is_some() {
+            return; // a failed apply waits for the retry tick
+        }
+        if let Err(not_until) = self.throttle.check() {
+            self.refill_at = Some(Instant::now() + not_until.wait_time_from(self.clock.now()));
+            return;
+        }
+        self.apply(ch).await;
+    }
+
+    async fn apply(&mut self, ch: &Channels) {
+        self.dirty = false;
+        self.status.applies += 1;
+        for m in &mut self.managers {
+            m.resolve_update_batch();
+        }
+        let mut kernel = self.kernel.take().expect("kernel is put back after every apply");
+        let mut error = None;
+        for m in &mut self.managers {
+            if let Err(e) = m.complete_deferred_work(&mut kernel) {
+                error.get_or_insert(e.to_string());
+            }
+        }
+        for r in self.pending_refresh.drain(..) {
+            kernel.request_resync(r);
+        }
+        let (kernel, result) = if kernel.is_empty() {
+            (kernel, Ok(Default::default()))
+        } else {
+            tokio::task::spawn_blocking(move || {
+                let r = kernel.apply_all();
+                (kernel, r)
+            })
+            .await
+            .expect("apply task panicked")
+        };
+        let mut kernel = kernel;
+        match result {
+            Ok(outcome) => {
+                self.reschedule_at = outcome.reschedule_after.map(|d| Instant::now() + d);
+            }
+            Err(errors) => {
+                let msg = errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+                error.get_or_insert(msg);
+            }
+        }
+        let still_dirty = kernel.any_dirty();
+        self.kernel = Some(kernel);
+        if let Some(e) = error {
+            warn!(error = %e, retry_in = ?self.cfg.retry_interval, "apply failed");
+            self.status.failed_applies += 1;
+            self.status.last_error = Some(e);
+            self.dirty = true;
+            self.retry_at = Some(Instant::now() + self.cfg.retry_interval);
+            return;
+        }
+        self.status.last_error = None;
+        if still_dirty {
+            self.dirty = true;
+            return;
+        }
+        for s in self.sessions.values() {
+            if let Some(h) = s.highest {
+                s.programmed.send_replace(h);
+                self.status.last_programmed = self.status.last_programmed.max(h);
+            }
+        }
+        if !self.in_sync_sent && !self.dirty {
+            self.in_sync_sent = true;
+            self.status.in_sync = true;
+            info!("dataplane in sync");
+            let _ = ch.events.send(StatusEvent::DataplaneInSync);
+        }
+    }
+
+    fn publish(&mut self, ch: &Channels) {
+        self.status.dirty = self.dirty;
+        self.status.objects = self.store.counts().map(|(k, n)| (k.as_str(), n)).collect();
+        ch.status.send_if_modified(|s| {
+            if *s == self.status {
+                false
+            } else {
+                *s = self.status.clone();
+                true
+            }
+        });
+    }
+}
+
+/// Current time as RFC 3339 UTC, without a date crate.
+fn iso_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests;

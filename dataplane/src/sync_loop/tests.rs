@@ -1,0 +1,259 @@
+//! Loop tests with a recording manager and backend (no root needed).
+
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::backends::Phase;
+use crate::backends::recording::{RecordingBackend, RecordingHandle};
+use crate::managers::recording::{RecordingManager, Seen};
+use crate::model::{Id, IpSet, IpSetDelta, IpSetType};
+
+struct Harness {
+    feed: mpsc::Sender<Feed>,
+    ifaces: mpsc::Sender<InterfaceEvent>,
+    events: broadcast::Receiver<StatusEvent>,
+    status: watch::Receiver<Status>,
+    backend: RecordingHandle,
+    seen: Arc<Mutex<Seen>>,
+    programmed: watch::Receiver<u64>,
+    rejections: mpsc::UnboundedReceiver<Rejection>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+fn fast_config() -> LoopConfig {
+    LoopConfig {
+        retry_interval: Duration::from_millis(300),
+        ipset_refresh: Duration::ZERO,
+        route_refresh: Duration::ZERO,
+        xdp_refresh: Duration::ZERO,
+        iptables_refresh: Duration::ZERO,
+        interface_refresh: Duration::ZERO,
+        ..LoopConfig::default()
+    }
+}
+
+async fn start(cfg: LoopConfig) -> Harness {
+    let (backend, handle) = RecordingBackend::new("rec", Phase::Tables);
+    let (manager, seen) = RecordingManager::new(handle.clone());
+    let kernel = DesiredKernel { others: vec![Box::new(backend)] };
+    let lp = SyncLoop::new(cfg, vec![Box::new(manager)], kernel);
+    let (feed_tx, feed_rx) = mpsc::channel(1000);
+    let (if_tx, if_rx) = mpsc::channel(100);
+    let (ev_tx, ev_rx) = broadcast::channel(100);
+    let (st_tx, st_rx) = watch::channel(Status::default());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let ch = Channels { feed: feed_rx, interfaces: if_rx, interface_resync: None, events: ev_tx, status: st_tx };
+    tokio::spawn(lp.run(ch, async move {
+        let _ = stop_rx.await;
+    }));
+    let (prog_tx, prog_rx) = watch::channel(0);
+    let (rej_tx, rej_rx) = mpsc::unbounded_channel();
+    feed_tx
+        .send(Feed::Open { session: 1, programmed: prog_tx, rejections: rej_tx })
+        .await
+        .unwrap();
+    Harness {
+        feed: feed_tx,
+        ifaces: if_tx,
+        events: ev_rx,
+        status: st_rx,
+        backend: handle,
+        seen,
+        programmed: prog_rx,
+        rejections: rej_rx,
+        _stop: stop_tx,
+    }
+}
+
+fn set(id: &str) -> Update {
+    Update::IpSetUpdate(IpSet { id: Id::new(id).unwrap(), set_type: IpSetType::Ip, members: vec![] })
+}
+
+async fn send(h: &Harness, session: SessionId, seq: u64, update: Update) {
+    h.feed.send(Feed::Message { session, seq, update }).await.unwrap();
+}
+
+async fn wait_for(h: &mut Harness, what: impl Fn(&Status) -> bool) -> Status {
+    tokio::time::timeout(Duration::from_secs(5), h.status.wait_for(|s| what(s)))
+        .await
+        .expect("timed out waiting for status")
+        .unwrap()
+        .clone()
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(150)).await;
+}
+
+#[tokio::test]
+async fn nothing_applied_before_both_in_syncs() {
+    let mut h = start(fast_config()).await;
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, Update::InSync).await;
+    settle().await;
+    assert_eq!(h.backend.lock().calls, 0, "applied before the interface monitor was in sync");
+    // The set reaches the managers at once; InSync is the loop's own business.
+    assert_eq!(h.seen.lock().unwrap().updates, vec![set("a")]);
+
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    assert_eq!(st.last_programmed, 2);
+    assert_eq!(*h.programmed.borrow(), 2);
+    assert_eq!(h.events.recv().await.unwrap(), StatusEvent::DataplaneInSync);
+    let r = h.backend.lock();
+    assert_eq!(r.calls, 1);
+    assert!(r.applied[0][0].contains("IpSetUpdate"));
+}
+
+#[tokio::test]
+async fn nothing_applied_before_datastore_in_sync() {
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    settle().await;
+    assert_eq!(h.backend.lock().calls, 0);
+    assert!(!h.status.borrow().in_sync);
+    send(&h, 1, 2, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+}
+
+#[tokio::test]
+async fn a_burst_is_throttled_to_eleven_applies_in_100ms() {
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 0, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    // Let the bucket fill up again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let before = h.backend.lock().calls;
+    let feed = h.feed.clone();
+    let t0 = std::time::Instant::now();
+    let sender = tokio::spawn(async move {
+        for i in 0..10_000u64 {
+            feed.send(Feed::Message { session: 1, seq: i + 1, update: set(&format!("s{i}")) }).await.unwrap();
+            if i % 50 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let sleep_left = Duration::from_millis(100).saturating_sub(t0.elapsed());
+    tokio::time::sleep(sleep_left).await;
+    let in_first_100ms = h.backend.lock().calls - before;
+    sender.await.unwrap();
+    assert!(in_first_100ms <= 11, "{in_first_100ms} applies in the first 100 ms");
+    assert!(in_first_100ms >= 2, "the burst should have applied a few times, got {in_first_100ms}");
+    // Everything is programmed eventually.
+    wait_for(&mut h, |s| s.last_programmed == 10_000 && !s.dirty).await;
+    assert_eq!(h.status.borrow().objects.get("ipset"), Some(&10_000));
+}
+
+#[tokio::test]
+async fn drain_handles_queued_messages_in_one_wake() {
+    let mut h = start(fast_config()).await;
+    // Queue 50 messages before the loop gets to run; they are taken in one
+    // wake-up, so the first apply sees all of them.
+    for i in 0..50 {
+        send(&h, 1, i + 1, set(&format!("s{i}"))).await;
+    }
+    send(&h, 1, 51, Update::InSync).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    wait_for(&mut h, |s| s.in_sync).await;
+    let r = h.backend.lock();
+    assert_eq!(r.applied[0].len(), 50, "first apply had {} ops", r.applied[0].len());
+}
+
+#[tokio::test]
+async fn failing_backend_is_retried_and_in_sync_waits_for_success() {
+    let mut h = start(fast_config()).await;
+    h.backend.lock().fail_on = vec![1, 2];
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, Update::InSync).await;
+    let st = wait_for(&mut h, |s| s.failed_applies >= 1).await;
+    assert!(!st.in_sync);
+    assert!(st.last_error.as_deref().unwrap().contains("scripted failure"));
+    // Not retried before the retry tick (300 ms here).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(h.backend.lock().calls, 1);
+    let t0 = std::time::Instant::now();
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    assert!(t0.elapsed() >= Duration::from_millis(300), "retried too early");
+    assert_eq!(st.failed_applies, 2);
+    assert_eq!(st.last_error, None);
+    assert_eq!(h.backend.lock().calls, 3);
+    assert_eq!(*h.programmed.borrow(), 2, "programmed only after success");
+}
+
+#[tokio::test]
+async fn refresh_tick_forces_a_resync() {
+    let cfg = LoopConfig { ipset_refresh: Duration::from_millis(200), jitter: 0.0, ..fast_config() };
+    let mut h = start(cfg).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = h.backend.lock();
+    assert!(r.resyncs.contains(&Refresh::IpSets), "{:?}", r.resyncs);
+    assert!(r.calls >= 2, "resync was not applied ({} calls)", r.calls);
+}
+
+#[tokio::test]
+async fn second_session_in_sync_removes_what_it_lacks() {
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, set("b")).await;
+    send(&h, 1, 3, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    h.feed.send(Feed::Close { session: 1 }).await.unwrap();
+
+    let (prog_tx, mut prog_rx) = watch::channel(0);
+    let (rej_tx, _rej_rx) = mpsc::unbounded_channel();
+    h.feed.send(Feed::Open { session: 2, programmed: prog_tx, rejections: rej_tx }).await.unwrap();
+    send(&h, 2, 1, set("b")).await;
+    send(&h, 2, 2, set("c")).await;
+    settle().await;
+    assert_eq!(h.status.borrow().objects.get("ipset"), Some(&3), "nothing removed before InSync");
+    send(&h, 2, 3, Update::InSync).await;
+    tokio::time::timeout(Duration::from_secs(5), prog_rx.wait_for(|p| *p == 3)).await.unwrap().unwrap();
+    assert_eq!(h.status.borrow().objects.get("ipset"), Some(&2));
+    let seen = h.seen.lock().unwrap();
+    let removes: Vec<_> = seen.updates.iter().filter(|u| matches!(u, Update::Remove(_))).collect();
+    assert_eq!(removes, vec![&Update::Remove(Key::IpSet(Id::new("a").unwrap()))]);
+}
+
+#[tokio::test]
+async fn delta_for_unknown_set_is_rejected_and_rest_applies() {
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    let net = Update::IpSetUpdate(IpSet { id: Id::new("n").unwrap(), set_type: IpSetType::Net, members: vec![] });
+    send(&h, 1, 1, net).await;
+    let delta = |id: &str, m: &str| {
+        Update::IpSetDeltaUpdate(IpSetDelta {
+            id: Id::new(id).unwrap(),
+            added: vec![Member::parse_any(m).unwrap()],
+            removed: vec![],
+        })
+    };
+    send(&h, 1, 2, delta("nope", "10.0.0.1")).await;
+    send(&h, 1, 3, delta("n", "10.0.0.1,tcp:80")).await;
+    send(&h, 1, 4, delta("n", "10.0.0.1")).await;
+    send(&h, 1, 5, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    let r1 = h.rejections.recv().await.unwrap();
+    assert_eq!((r1.sequence_number, r1.field.as_str()), (2, "ipset_delta_update.id"));
+    let r2 = h.rejections.recv().await.unwrap();
+    assert_eq!((r2.sequence_number, r2.field.as_str()), (3, "ipset_delta_update.added_members[0]"));
+    let seen = h.seen.lock().unwrap();
+    let accepted: Vec<_> = seen.updates.iter().filter(|u| matches!(u, Update::IpSetDeltaUpdate(_))).collect();
+    assert_eq!(accepted.len(), 1);
+    let Update::IpSetDeltaUpdate(d) = accepted[0] else { unreachable!() };
+    assert_eq!(d.added[0].to_string(), "10.0.0.1/32", "normalised to the set's type");
+}
+
+#[test]
+fn iso_timestamps_look_right() {
+    let s = iso_now();
+    assert_eq!(s.len(), 20, "{s}");
+    assert!(s.starts_with("20") && s.ends_with('Z') && s.as_bytes()[10] == b'T', "{s}");
+}

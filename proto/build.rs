@@ -1,0 +1,23 @@
+//! Compiles the `.proto` files with protox (pure Rust: no system `protoc`),
+//! generates prost/tonic code and writes the encoded descriptor set that the
+//! server registers for gRPC reflection and dphctl uses for the JSON mapping.
+
+use std::path::PathBuf;
+
+fn main() -> anyhow::Result<()> {
+    let files = ["felix/felixbackend.proto", "dphandler/v1/dataplane.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed=proto/{f}");
+    }
+    let fds = protox::compile(files, ["proto"])?;
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out.join("descriptor.bin"),
+        prost::Message::encode_to_vec(&fds),
+    )?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    Ok(())
+}

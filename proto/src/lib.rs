@@ -1,0 +1,32 @@
+//! dphandler's wire API.
+//!
+//! - [`felix`]: Calico's dataplane messages (`felix/felixbackend.proto`), wire-compatible.
+//! - [`v1`]: the `dphandler.v1.Dataplane` service and its envelopes.
+//! - [`convert`]: validation and conversion of `felix::ToDataplane` into the
+//!   dataplane's model (`dphandler_dataplane::model`). Nothing that fails here
+//!   reaches the kernel.
+
+#[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
+pub mod felix {
+    tonic::include_proto!("felix");
+}
+
+#[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
+pub mod v1 {
+    tonic::include_proto!("dphandler.v1");
+}
+
+pub mod convert;
+
+/// The encoded `FileDescriptorSet` of all our `.proto` files (for gRPC
+/// reflection and the canonical JSON mapping).
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/descriptor.bin"));
+
+/// The descriptor pool built from [`FILE_DESCRIPTOR_SET`].
+pub fn descriptor_pool() -> &'static prost_reflect::DescriptorPool {
+    static POOL: std::sync::OnceLock<prost_reflect::DescriptorPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        prost_reflect::DescriptorPool::decode(FILE_DESCRIPTOR_SET)
+            .expect("the descriptor set compiled by build.rs decodes")
+    })
+}
