@@ -11,10 +11,14 @@ pub mod felix {
     tonic::include_proto!("felix");
 }
 
-#[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
-pub mod v1 {
-    tonic::include_proto!("dphandler.v1");
+/// Package `dphandler` (nested as the generated code's `super::` paths expect).
+pub mod dphandler {
+    #[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
+    pub mod v1 {
+        tonic::include_proto!("dphandler.v1");
+    }
 }
+pub use dphandler::v1;
 
 pub mod convert;
 
