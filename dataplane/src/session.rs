@@ -39,13 +39,18 @@ impl Store {
             }
             return;
         }
-        let Some(key) = update.upsert_key() else { return };
+        let Some(key) = update.upsert_key() else {
+            return;
+        };
         let ipset_type = match update {
             Update::IpSetUpdate(s) => Some(s.set_type),
             _ => None,
         };
         let kind = key.kind();
-        let entry = Entry { touched: self.tick, ipset_type };
+        let entry = Entry {
+            touched: self.tick,
+            ipset_type,
+        };
         if self.entries.insert(key, entry).is_none() {
             *self.counts.entry(kind).or_default() += 1;
         }
@@ -100,7 +105,11 @@ mod tests {
     use crate::model::{Id, IpSet};
 
     fn set(id: &str) -> Update {
-        Update::IpSetUpdate(IpSet { id: Id::new(id).unwrap(), set_type: IpSetType::Ip, members: vec![] })
+        Update::IpSetUpdate(IpSet {
+            id: Id::new(id).unwrap(),
+            set_type: IpSetType::Ip,
+            members: vec![],
+        })
     }
 
     #[test]
@@ -114,10 +123,17 @@ mod tests {
         s.record(&set("c"));
         let swept = s.sweep(start);
         assert_eq!(swept, vec![Key::IpSet(Id::new("a").unwrap())]);
-        assert_eq!(s.counts().collect::<Vec<_>>().len(), 2, "ipset and config remain");
+        assert_eq!(
+            s.counts().collect::<Vec<_>>().len(),
+            2,
+            "ipset and config remain"
+        );
         assert_eq!(s.len(), 3);
         s.record(&Update::Remove(Key::IpSet(Id::new("b").unwrap())));
         assert_eq!(s.len(), 2);
-        assert_eq!(s.ipset_type(&Key::IpSet(Id::new("c").unwrap())), Some(IpSetType::Ip));
+        assert_eq!(
+            s.ipset_type(&Key::IpSet(Id::new("c").unwrap())),
+            Some(IpSetType::Ip)
+        );
     }
 }

@@ -35,6 +35,10 @@ pub struct Rejection {
 
 /// What the feeder side sends into the loop.
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "Message is the hot variant: moved once into a channel slot; boxing it would add an allocation per message"
+)]
 pub enum Feed {
     Open {
         session: SessionId,
@@ -132,13 +136,19 @@ struct Ticker {
 
 impl Ticker {
     fn new(period: Duration, jitter: f64) -> Self {
-        let mut t = Self { period, jitter, next: None };
+        let mut t = Self {
+            period,
+            jitter,
+            next: None,
+        };
         t.rearm();
         t
     }
     fn rearm(&mut self) {
         self.next = (!self.period.is_zero()).then(|| {
-            let extra = self.period.mul_f64(rand::rng().random_range(0.0..=self.jitter.max(0.0)));
+            let extra = self
+                .period
+                .mul_f64(rand::rng().random_range(0.0..=self.jitter.max(0.0)));
             Instant::now() + self.period + extra
         });
     }
@@ -179,7 +189,9 @@ pub struct SyncLoop {
 
 impl std::fmt::Debug for SyncLoop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SyncLoop").field("status", &self.status).finish_non_exhaustive()
+        f.debug_struct("SyncLoop")
+            .field("status", &self.status)
+            .finish_non_exhaustive()
     }
 }
 
@@ -284,16 +296,30 @@ impl SyncLoop {
 
     fn on_feed(&mut self, feed: Feed) {
         match feed {
-            Feed::Open { session, programmed, rejections } => {
+            Feed::Open {
+                session,
+                programmed,
+                rejections,
+            } => {
                 self.sessions.insert(
                     session,
-                    SessionState { start: self.store.now(), swept: false, highest: None, programmed, rejections },
+                    SessionState {
+                        start: self.store.now(),
+                        swept: false,
+                        highest: None,
+                        programmed,
+                        rejections,
+                    },
                 );
             }
             Feed::Close { session } => {
                 self.sessions.remove(&session);
             }
-            Feed::Message { session, seq, update } => self.on_message(session, seq, update),
+            Feed::Message {
+                session,
+                seq,
+                update,
+            } => self.on_message(session, seq, update),
         }
         self.status.feeders = u32::try_from(self.sessions.len()).unwrap_or(u32::MAX);
     }
@@ -310,7 +336,11 @@ impl SyncLoop {
                 if let Some(since) = sweep_since {
                     let stale = self.store.sweep(since);
                     if !stale.is_empty() {
-                        info!(session, removed = stale.len(), "snapshot complete: removing objects it did not contain");
+                        info!(
+                            session,
+                            removed = stale.len(),
+                            "snapshot complete: removing objects it did not contain"
+                        );
                     }
                     for key in stale {
                         let remove = Update::Remove(key);
@@ -325,18 +355,31 @@ impl SyncLoop {
             Update::IpSetDeltaUpdate(delta) => {
                 let key = Key::IpSet(delta.id.clone());
                 let Some(ty) = self.store.ipset_type(&key) else {
-                    self.reject(session, seq, "ipset_delta_update.id", format!("no IP set {} exists", delta.id));
+                    self.reject(
+                        session,
+                        seq,
+                        "ipset_delta_update.id",
+                        format!("no IP set {} exists", delta.id),
+                    );
                     return;
                 };
                 // Members were parsed by shape at the edge; bring them to the
                 // set's own type (a bare IP in a hash:net set is a /32).
-                for (name, list) in [("added_members", &mut delta.added), ("removed_members", &mut delta.removed)] {
+                for (name, list) in [
+                    ("added_members", &mut delta.added),
+                    ("removed_members", &mut delta.removed),
+                ] {
                     for (i, m) in list.iter_mut().enumerate() {
                         match Member::parse(ty, &m.to_string()) {
                             Ok(norm) => *m = norm,
                             Err(e) => {
                                 let field = format!("ipset_delta_update.{name}[{i}]");
-                                self.reject(session, seq, &field, format!("{}; set is {}", e.reason, ty.ipset_type()));
+                                self.reject(
+                                    session,
+                                    seq,
+                                    &field,
+                                    format!("{}; set is {}", e.reason, ty.ipset_type()),
+                                );
                                 return;
                             }
                         }
@@ -354,7 +397,11 @@ impl SyncLoop {
     fn reject(&mut self, session: SessionId, seq: u64, field: &str, reason: String) {
         warn!(session, seq, field, %reason, "message rejected");
         if let Some(s) = self.sessions.get(&session) {
-            let _ = s.rejections.send(Rejection { sequence_number: seq, field: field.into(), reason });
+            let _ = s.rejections.send(Rejection {
+                sequence_number: seq,
+                field: field.into(),
+                reason,
+            });
         }
     }
 
@@ -395,7 +442,10 @@ impl SyncLoop {
         for m in &mut self.managers {
             m.resolve_update_batch();
         }
-        let mut kernel = self.kernel.take().expect("kernel is put back after every apply");
+        let mut kernel = self
+            .kernel
+            .take()
+            .expect("kernel is put back after every apply");
         let mut error = None;
         for m in &mut self.managers {
             if let Err(e) = m.complete_deferred_work(&mut kernel) {
@@ -421,7 +471,11 @@ impl SyncLoop {
                 self.reschedule_at = outcome.reschedule_after.map(|d| Instant::now() + d);
             }
             Err(errors) => {
-                let msg = errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+                let msg = errors
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ");
                 error.get_or_insert(msg);
             }
         }
@@ -485,7 +539,12 @@ fn iso_now() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 #[cfg(test)]

@@ -2,15 +2,15 @@
 //! reach a kernel command. An error names the offending field as a dotted
 //! path (`ipset_update.members[3]`) and nothing of the message is used.
 
+use dphandler_dataplane::model::network::{
+    EncapMode, Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep,
+    WireguardEndpoint,
+};
 use dphandler_dataplane::model::{
     Action, EndpointState, HostEndpoint, HostEndpointId, IcmpMatch, Id, IfaceName, IpSet,
     IpSetDelta, IpSetType, IpVersion, Key, MacAddr, Member, Policy, PolicyId, PortRange, Profile,
     Protocol, Rule, TierDefault, TierInfo, Update, Valid, ValidationError, WorkloadEndpoint,
     WorkloadEndpointId, check_text, parse_ip, parse_ip_opt, parse_net,
-};
-use dphandler_dataplane::model::network::{
-    EncapMode, Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep,
-    WireguardEndpoint,
 };
 
 use crate::felix::{self, to_dataplane::Payload};
@@ -33,8 +33,15 @@ pub struct Rejected {
 /// as Felix ignores unknown payloads).
 pub fn to_update(msg: felix::ToDataplane) -> Result<Option<Update>, Rejected> {
     let seq = msg.sequence_number;
-    let Some(payload) = msg.payload else { return Ok(None) };
-    convert_payload(payload).map(Some).map_err(|error| Rejected { sequence_number: seq, error })
+    let Some(payload) = msg.payload else {
+        return Ok(None);
+    };
+    convert_payload(payload)
+        .map(Some)
+        .map_err(|error| Rejected {
+            sequence_number: seq,
+            error,
+        })
 }
 
 fn at<T>(r: Valid<T>, field: &str) -> Valid<T> {
@@ -90,7 +97,8 @@ fn wep_id(w: &felix::WorkloadEndpointId) -> Valid<WorkloadEndpointId> {
 }
 
 fn required<'a, T>(v: &'a Option<T>, field: &str) -> Valid<&'a T> {
-    v.as_ref().ok_or_else(|| ValidationError::new(field, "is required"))
+    v.as_ref()
+        .ok_or_else(|| ValidationError::new(field, "is required"))
 }
 
 fn convert_payload(p: Payload) -> Valid<Update> {
@@ -131,7 +139,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                 let pid = at(policy_id(required(&u.id, "id")?), "id")?;
                 let p = u.policy.clone().unwrap_or_default();
                 if p.untracked && p.pre_dnat {
-                    return Err(ValidationError::new("policy", "a policy cannot be both untracked and pre_dnat"));
+                    return Err(ValidationError::new(
+                        "policy",
+                        "a policy cannot be both untracked and pre_dnat",
+                    ));
                 }
                 Ok(Update::Policy(
                     pid,
@@ -156,7 +167,9 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             &required(&u.id, "host_endpoint_remove.id")?.endpoint_id,
             "host_endpoint_remove.id.endpoint_id",
         )?))),
-        Payload::WorkloadEndpointUpdate(u) => at(workload_endpoint(&u), "workload_endpoint_update")?,
+        Payload::WorkloadEndpointUpdate(u) => {
+            at(workload_endpoint(&u), "workload_endpoint_update")?
+        }
         Payload::WorkloadEndpointRemove(u) => Update::Remove(Key::WorkloadEndpoint(at(
             wep_id(required(&u.id, "workload_endpoint_remove.id")?),
             "workload_endpoint_remove.id",
@@ -172,7 +185,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                         None
                     } else {
                         Some(u.asnumber.parse().map_err(|_| {
-                            ValidationError::new("asnumber", format!("{:?} is not an AS number", u.asnumber))
+                            ValidationError::new(
+                                "asnumber",
+                                format!("{:?} is not an AS number", u.asnumber),
+                            )
                         })?)
                     },
                     labels: labels(&u.labels, "labels")?,
@@ -180,9 +196,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             })(),
             "host_metadata_update",
         )?,
-        Payload::HostMetadataRemove(u) => {
-            Update::Remove(Key::HostMetadata(id(&u.hostname, "host_metadata_remove.hostname")?))
-        }
+        Payload::HostMetadataRemove(u) => Update::Remove(Key::HostMetadata(id(
+            &u.hostname,
+            "host_metadata_remove.hostname",
+        )?)),
         Payload::IpamPoolUpdate(u) => at(
             (|| {
                 let pool = required(&u.pool, "pool")?;
@@ -199,7 +216,9 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             })(),
             "ipam_pool_update",
         )?,
-        Payload::IpamPoolRemove(u) => Update::Remove(Key::IpamPool(id(&u.id, "ipam_pool_remove.id")?)),
+        Payload::IpamPoolRemove(u) => {
+            Update::Remove(Key::IpamPool(id(&u.id, "ipam_pool_remove.id")?))
+        }
         Payload::ServiceAccountUpdate(u) => {
             let sid = required(&u.id, "service_account_update.id")?;
             Update::ServiceAccount {
@@ -216,7 +235,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             })
         }
         Payload::NamespaceUpdate(u) => Update::Namespace {
-            name: id(&required(&u.id, "namespace_update.id")?.name, "namespace_update.id.name")?,
+            name: id(
+                &required(&u.id, "namespace_update.id")?.name,
+                "namespace_update.id.name",
+            )?,
             labels: labels(&u.labels, "namespace_update.labels")?,
         },
         Payload::NamespaceRemove(u) => Update::Remove(Key::Namespace(id(
@@ -225,10 +247,14 @@ fn convert_payload(p: Payload) -> Valid<Update> {
         )?)),
         Payload::RouteUpdate(u) => at(
             (|| {
-                let t = u.tunnel_type.clone().unwrap_or_default();
+                let t = u.tunnel_type.unwrap_or_default();
                 Ok(Update::Route(Route {
-                    types: u32::try_from(u.types)
-                        .map_err(|_| ValidationError::new("types", format!("{} is not a route type mask", u.types)))?,
+                    types: u32::try_from(u.types).map_err(|_| {
+                        ValidationError::new(
+                            "types",
+                            format!("{} is not a route type mask", u.types),
+                        )
+                    })?,
                     ip_pool_type: u.ip_pool_type,
                     dst: at(parse_net(&u.dst), "dst")?,
                     dst_node_name: opt_id(&u.dst_node_name, "dst_node_name")?,
@@ -244,7 +270,9 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             })(),
             "route_update",
         )?,
-        Payload::RouteRemove(u) => Update::Remove(Key::Route(at(parse_net(&u.dst), "route_remove.dst")?)),
+        Payload::RouteRemove(u) => {
+            Update::Remove(Key::Route(at(parse_net(&u.dst), "route_remove.dst")?))
+        }
         Payload::VtepUpdate(u) => at(
             (|| {
                 Ok(Update::Vtep(Vtep {
@@ -254,7 +282,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                     parent_device_ip: at(parse_ip_opt(&u.parent_device_ip), "parent_device_ip")?,
                     mac_v6: opt_mac(&u.mac_v6, "mac_v6")?,
                     ipv6_addr: at(parse_ip_opt(&u.ipv6_addr), "ipv6_addr")?,
-                    parent_device_ipv6: at(parse_ip_opt(&u.parent_device_ipv6), "parent_device_ipv6")?,
+                    parent_device_ipv6: at(
+                        parse_ip_opt(&u.parent_device_ipv6),
+                        "parent_device_ipv6",
+                    )?,
                 }))
             })(),
             "vtep_update",
@@ -264,9 +295,10 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             wg_endpoint(&u.hostname, &u.public_key, &u.interface_ipv4_addr),
             "wireguard_endpoint_update",
         )?),
-        Payload::WireguardEndpointRemove(u) => {
-            Update::Remove(Key::WireguardEndpoint(id(&u.hostname, "wireguard_endpoint_remove.hostname")?))
-        }
+        Payload::WireguardEndpointRemove(u) => Update::Remove(Key::WireguardEndpoint(id(
+            &u.hostname,
+            "wireguard_endpoint_remove.hostname",
+        )?)),
         Payload::WireguardEndpointV6Update(u) => Update::WireguardEndpointV6(at(
             wg_endpoint(&u.hostname, &u.public_key_v6, &u.interface_ipv6_addr),
             "wireguard_endpoint_v6_update",
@@ -278,8 +310,16 @@ fn convert_payload(p: Payload) -> Valid<Update> {
         Payload::GlobalBgpConfigUpdate(u) => Update::GlobalBgpConfig(at(
             (|| {
                 Ok(GlobalBgpConfig {
-                    service_cluster_cidrs: list(&u.service_cluster_cidrs, "service_cluster_cidrs", parse_net)?,
-                    service_external_cidrs: list(&u.service_external_cidrs, "service_external_cidrs", parse_net)?,
+                    service_cluster_cidrs: list(
+                        &u.service_cluster_cidrs,
+                        "service_cluster_cidrs",
+                        parse_net,
+                    )?,
+                    service_external_cidrs: list(
+                        &u.service_external_cidrs,
+                        "service_external_cidrs",
+                        parse_net,
+                    )?,
                     service_loadbalancer_cidrs: list(
                         &u.service_loadbalancer_cidrs,
                         "service_loadbalancer_cidrs",
@@ -312,7 +352,11 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                     cluster_ips: list(&u.cluster_ips, "cluster_ips", parse_ip)?,
                     loadbalancer_ip: at(parse_ip_opt(&u.loadbalancer_ip), "loadbalancer_ip")?,
                     external_ips: list(&u.external_ips, "external_ips", parse_ip)?,
-                    loadbalancer_ingress_ips: list(&u.loadbalancer_ingress_ips, "loadbalancer_ingress_ips", parse_ip)?,
+                    loadbalancer_ingress_ips: list(
+                        &u.loadbalancer_ingress_ips,
+                        "loadbalancer_ingress_ips",
+                        parse_ip,
+                    )?,
                     ports: u
                         .ports
                         .iter()
@@ -321,7 +365,8 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                             let f = format!("ports[{i}]");
                             let proto = at(Protocol::from_name(&p.protocol), &f)?;
                             let port = at(PortRange::new(p.port, 0), &format!("{f}.Port"))?.first;
-                            let node = at(PortRange::new(p.node_port, 0), &format!("{f}.NodePort"))?.first;
+                            let node =
+                                at(PortRange::new(p.node_port, 0), &format!("{f}.NodePort"))?.first;
                             Ok((proto, port, node))
                         })
                         .collect::<Valid<_>>()?,
@@ -341,12 +386,20 @@ fn ipset_update(u: &felix::IpSetUpdate) -> Valid<Update> {
         Ok(felix::ip_set_update::IpSetType::Ip) => IpSetType::Ip,
         Ok(felix::ip_set_update::IpSetType::Net) => IpSetType::Net,
         Ok(felix::ip_set_update::IpSetType::IpAndPort) => IpSetType::IpAndPort,
-        Err(_) => return Err(ValidationError::new("type", format!("unknown IP set type {}", u.r#type))),
+        Err(_) => {
+            return Err(ValidationError::new(
+                "type",
+                format!("unknown IP set type {}", u.r#type),
+            ));
+        }
     };
     if u.members.len() > MAX_IPSET_MEMBERS {
         return Err(ValidationError::new(
             "members",
-            format!("{} members; at most {MAX_IPSET_MEMBERS} allowed", u.members.len()),
+            format!(
+                "{} members; at most {MAX_IPSET_MEMBERS} allowed",
+                u.members.len()
+            ),
         ));
     }
     Ok(Update::IpSetUpdate(IpSet {
@@ -369,13 +422,21 @@ fn host_addr(s: &str) -> Valid<Option<std::net::IpAddr>> {
 }
 
 fn opt_mac(s: &str, field: &str) -> Valid<Option<MacAddr>> {
-    if s.is_empty() { Ok(None) } else { at(MacAddr::parse(s), field).map(Some) }
+    if s.is_empty() {
+        Ok(None)
+    } else {
+        at(MacAddr::parse(s), field).map(Some)
+    }
 }
 
 fn wg_endpoint(host: &str, key: &str, addr: &str) -> Valid<WireguardEndpoint> {
     Ok(WireguardEndpoint {
         hostname: id(host, "hostname")?,
-        public_key: if key.is_empty() { None } else { Some(at(wg_key(key), "public_key")?) },
+        public_key: if key.is_empty() {
+            None
+        } else {
+            Some(at(wg_key(key), "public_key")?)
+        },
         interface_addr: at(parse_ip_opt(addr), "interface_addr")?,
     })
 }
@@ -383,7 +444,12 @@ fn wg_endpoint(host: &str, key: &str, addr: &str) -> Valid<WireguardEndpoint> {
 /// A WireGuard key: standard base64 of 32 bytes (44 characters).
 fn wg_key(s: &str) -> Valid<[u8; 32]> {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let bad = || ValidationError::new("", format!("{s:?} is not a base64 WireGuard key (44 characters)"));
+    let bad = || {
+        ValidationError::new(
+            "",
+            format!("{s:?} is not a base64 WireGuard key (44 characters)"),
+        )
+    };
     let b = s.as_bytes();
     if b.len() != 44 || b[43] != b'=' {
         return Err(bad());
@@ -414,7 +480,10 @@ fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
                         name: id(&t.name, "name")?,
                         ingress_policies: policy_ids(&t.ingress_policies, "ingress_policies")?,
                         egress_policies: policy_ids(&t.egress_policies, "egress_policies")?,
-                        default_action: at(TierDefault::parse(&t.default_action), "default_action")?,
+                        default_action: at(
+                            TierDefault::parse(&t.default_action),
+                            "default_action",
+                        )?,
                     })
                 })(),
                 &format!("{field}[{i}]"),
@@ -424,7 +493,10 @@ fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
 }
 
 fn policy_ids(ps: &[felix::PolicyId], field: &str) -> Valid<Vec<PolicyId>> {
-    ps.iter().enumerate().map(|(i, p)| at(policy_id(p), &format!("{field}[{i}]"))).collect()
+    ps.iter()
+        .enumerate()
+        .map(|(i, p)| at(policy_id(p), &format!("{field}[{i}]")))
+        .collect()
 }
 
 fn workload_endpoint(u: &felix::WorkloadEndpointUpdate) -> Valid<Update> {
@@ -435,7 +507,10 @@ fn workload_endpoint(u: &felix::WorkloadEndpointUpdate) -> Valid<Update> {
             .enumerate()
             .map(|(i, n)| {
                 let f = format!("{field}[{i}]");
-                Ok((at(parse_ip(&n.ext_ip), &format!("{f}.ext_ip"))?, at(parse_ip(&n.int_ip), &format!("{f}.int_ip"))?))
+                Ok((
+                    at(parse_ip(&n.ext_ip), &format!("{f}.ext_ip"))?,
+                    at(parse_ip(&n.int_ip), &format!("{f}.int_ip"))?,
+                ))
             })
             .collect()
     };
@@ -448,11 +523,15 @@ fn workload_endpoint(u: &felix::WorkloadEndpointUpdate) -> Valid<Update> {
                 profile_ids: list(&e.profile_ids, "profile_ids", Id::new)?,
                 ipv4_nets: list(&e.ipv4_nets, "ipv4_nets", |s| match parse_net(s)? {
                     ipnet::IpNet::V4(n) => Ok(n),
-                    ipnet::IpNet::V6(_) => Err(ValidationError::new("", format!("{s} is not IPv4"))),
+                    ipnet::IpNet::V6(_) => {
+                        Err(ValidationError::new("", format!("{s} is not IPv4")))
+                    }
                 })?,
                 ipv6_nets: list(&e.ipv6_nets, "ipv6_nets", |s| match parse_net(s)? {
                     ipnet::IpNet::V6(n) => Ok(n),
-                    ipnet::IpNet::V4(_) => Err(ValidationError::new("", format!("{s} is not IPv6"))),
+                    ipnet::IpNet::V4(_) => {
+                        Err(ValidationError::new("", format!("{s} is not IPv6")))
+                    }
                 })?,
                 tiers: tiers(&e.tiers, "tiers")?,
                 ipv4_nat: nat(&e.ipv4_nat, "ipv4_nat")?,
@@ -495,7 +574,10 @@ fn host_endpoint(u: &felix::HostEndpointUpdate) -> Valid<Update> {
 }
 
 fn rules(rs: &[felix::Rule], field: &str) -> Valid<Vec<Rule>> {
-    rs.iter().enumerate().map(|(i, r)| at(rule(r), &format!("{field}[{i}]"))).collect()
+    rs.iter()
+        .enumerate()
+        .map(|(i, r)| at(rule(r), &format!("{field}[{i}]")))
+        .collect()
 }
 
 fn protocol(p: &Option<felix::Protocol>, field: &str) -> Valid<Option<Protocol>> {
@@ -513,7 +595,10 @@ fn protocol(p: &Option<felix::Protocol>, field: &str) -> Valid<Option<Protocol>>
 }
 
 fn ports(ps: &[felix::PortRange], field: &str) -> Valid<Vec<PortRange>> {
-    ps.iter().enumerate().map(|(i, p)| at(PortRange::new(p.first, p.last), &format!("{field}[{i}]"))).collect()
+    ps.iter()
+        .enumerate()
+        .map(|(i, p)| at(PortRange::new(p.first, p.last), &format!("{field}[{i}]")))
+        .collect()
 }
 
 fn rule(r: &felix::Rule) -> Valid<Rule> {
@@ -569,8 +654,14 @@ fn rule(r: &felix::Rule) -> Valid<Rule> {
         )?,
         not_src_ip_set_ids: ids(&r.not_src_ip_set_ids, "not_src_ip_set_ids")?,
         not_dst_ip_set_ids: ids(&r.not_dst_ip_set_ids, "not_dst_ip_set_ids")?,
-        not_src_named_port_ip_set_ids: ids(&r.not_src_named_port_ip_set_ids, "not_src_named_port_ip_set_ids")?,
-        not_dst_named_port_ip_set_ids: ids(&r.not_dst_named_port_ip_set_ids, "not_dst_named_port_ip_set_ids")?,
+        not_src_named_port_ip_set_ids: ids(
+            &r.not_src_named_port_ip_set_ids,
+            "not_src_named_port_ip_set_ids",
+        )?,
+        not_dst_named_port_ip_set_ids: ids(
+            &r.not_dst_named_port_ip_set_ids,
+            "not_dst_named_port_ip_set_ids",
+        )?,
         unsupported,
         rule_id: opt_id(&r.rule_id, "rule_id")?,
     };
@@ -583,7 +674,10 @@ fn model_ip_version(v: i32) -> Valid<Option<IpVersion>> {
         Ok(felix::IpVersion::Any) => Ok(None),
         Ok(felix::IpVersion::Ipv4) => Ok(Some(IpVersion::V4)),
         Ok(felix::IpVersion::Ipv6) => Ok(Some(IpVersion::V6)),
-        Err(_) => Err(ValidationError::new("", format!("unknown IP version {v}; expected 0, 4 or 6"))),
+        Err(_) => Err(ValidationError::new(
+            "",
+            format!("unknown IP version {v}; expected 0, 4 or 6"),
+        )),
     }
 }
 

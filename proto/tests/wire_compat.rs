@@ -31,7 +31,9 @@ fn type_name(f: &FieldDescriptor) -> String {
         }
     }
     if f.is_map() {
-        let Kind::Message(entry) = f.kind() else { unreachable!() };
+        let Kind::Message(entry) = f.kind() else {
+            unreachable!()
+        };
         let k = entry.map_entry_key_field();
         let v = entry.map_entry_value_field();
         return format!("map<{},{}>", scalar(&k.kind()), scalar(&v.kind()));
@@ -79,18 +81,42 @@ fn felix_messages_match_calicos_field_table() {
         assert_eq!(msg.fields().len(), want_fields.len(), "{name}: field count");
         for wf in want_fields {
             let fname = wf["name"].as_str().unwrap();
-            let f = msg.get_field_by_name(fname).unwrap_or_else(|| panic!("{name}.{fname} missing"));
-            assert_eq!(u64::from(f.number()), wf["number"].as_u64().unwrap(), "{name}.{fname}: number");
-            assert_eq!(type_name(&f), wf["type"].as_str().unwrap(), "{name}.{fname}: type");
+            let f = msg
+                .get_field_by_name(fname)
+                .unwrap_or_else(|| panic!("{name}.{fname} missing"));
+            assert_eq!(
+                u64::from(f.number()),
+                wf["number"].as_u64().unwrap(),
+                "{name}.{fname}: number"
+            );
+            assert_eq!(
+                type_name(&f),
+                wf["type"].as_str().unwrap(),
+                "{name}.{fname}: type"
+            );
             let label = match (f.is_map(), f.cardinality()) {
                 (true, _) => None, // maps are listed by their map<> type
                 (false, Cardinality::Repeated) => Some("repeated"),
-                (false, Cardinality::Optional) if f.supports_presence() && f.containing_oneof().is_none() && !matches!(f.kind(), Kind::Message(_)) => Some("optional"),
+                (false, Cardinality::Optional)
+                    if f.supports_presence()
+                        && f.containing_oneof().is_none()
+                        && !matches!(f.kind(), Kind::Message(_)) =>
+                {
+                    Some("optional")
+                }
                 _ => None,
             };
-            assert_eq!(label, wf.get("label").and_then(|l| l.as_str()), "{name}.{fname}: label");
+            assert_eq!(
+                label,
+                wf.get("label").and_then(|l| l.as_str()),
+                "{name}.{fname}: label"
+            );
             let oneof = f.containing_oneof().map(|o| o.name().to_string());
-            assert_eq!(oneof.as_deref(), wf.get("oneof").and_then(|o| o.as_str()), "{name}.{fname}: oneof");
+            assert_eq!(
+                oneof.as_deref(),
+                wf.get("oneof").and_then(|o| o.as_str()),
+                "{name}.{fname}: oneof"
+            );
             checked += 1;
         }
     }
@@ -100,9 +126,16 @@ fn felix_messages_match_calicos_field_table() {
         let e = pool
             .get_enum_by_name(&format!("felix.{ename}"))
             .unwrap_or_else(|| panic!("enum {ename} missing"));
-        let ours: BTreeMap<String, i64> = e.values().map(|v| (v.name().to_string(), i64::from(v.number()))).collect();
-        let want: BTreeMap<String, i64> =
-            values.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_i64().unwrap())).collect();
+        let ours: BTreeMap<String, i64> = e
+            .values()
+            .map(|v| (v.name().to_string(), i64::from(v.number())))
+            .collect();
+        let want: BTreeMap<String, i64> = values
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_i64().unwrap()))
+            .collect();
         assert_eq!(ours, want, "enum {ename}");
     }
 }
@@ -115,6 +148,15 @@ fn a_tampered_table_is_caught() {
         serde_json::from_str(include_str!("fixtures/felix-wire.json")).unwrap();
     want["messages"]["IPSetUpdate"][0]["number"] = 99.into();
     let pool = dphandler_proto::descriptor_pool();
-    let f = pool.get_message_by_name("felix.IPSetUpdate").unwrap().get_field_by_name("id").unwrap();
-    assert_ne!(u64::from(f.number()), want["messages"]["IPSetUpdate"][0]["number"].as_u64().unwrap());
+    let f = pool
+        .get_message_by_name("felix.IPSetUpdate")
+        .unwrap()
+        .get_field_by_name("id")
+        .unwrap();
+    assert_ne!(
+        u64::from(f.number()),
+        want["messages"]["IPSetUpdate"][0]["number"]
+            .as_u64()
+            .unwrap()
+    );
 }

@@ -109,7 +109,10 @@ pub struct DesiredKernel {
 impl std::fmt::Debug for DesiredKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DesiredKernel")
-            .field("others", &self.others.iter().map(|b| b.name()).collect::<Vec<_>>())
+            .field(
+                "others",
+                &self.others.iter().map(|b| b.name()).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -158,10 +161,11 @@ impl DesiredKernel {
             for r in results {
                 match r {
                     Ok(o) => {
-                        outcome.reschedule_after = match (outcome.reschedule_after, o.reschedule_after) {
-                            (Some(a), Some(b)) => Some(a.min(b)),
-                            (a, b) => a.or(b),
-                        }
+                        outcome.reschedule_after =
+                            match (outcome.reschedule_after, o.reschedule_after) {
+                                (Some(a), Some(b)) => Some(a.min(b)),
+                                (a, b) => a.or(b),
+                            }
                     }
                     Err(e) => errors.push(e),
                 }

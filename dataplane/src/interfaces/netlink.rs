@@ -8,8 +8,8 @@ use ipnet::IpNet;
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{LinkAttribute, LinkFlags, LinkMessage};
-use rtnetlink::{Handle, MulticastGroup, new_multicast_connection};
 use rtnetlink::packet_core::NetlinkPayload;
+use rtnetlink::{Handle, MulticastGroup, new_multicast_connection};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -93,11 +93,17 @@ async fn run_once(
 }
 
 /// Dump all links, then all addresses; returns the number of links.
-async fn dump(handle: &Handle, events: &mpsc::Sender<InterfaceEvent>) -> Result<usize, MonitorError> {
+async fn dump(
+    handle: &Handle,
+    events: &mpsc::Sender<InterfaceEvent>,
+) -> Result<usize, MonitorError> {
     let mut links = handle.link().get().execute();
     let mut n = 0;
     while let Some(link) = links.next().await {
-        let link = link.map_err(|source| MonitorError::Dump { what: "links", source })?;
+        let link = link.map_err(|source| MonitorError::Dump {
+            what: "links",
+            source,
+        })?;
         n += 1;
         for ev in translate(RouteNetlinkMessage::NewLink(link)) {
             if events.send(ev).await.is_err() {
@@ -107,7 +113,10 @@ async fn dump(handle: &Handle, events: &mpsc::Sender<InterfaceEvent>) -> Result<
     }
     let mut addrs = handle.address().get().execute();
     while let Some(addr) = addrs.next().await {
-        let addr = addr.map_err(|source| MonitorError::Dump { what: "addresses", source })?;
+        let addr = addr.map_err(|source| MonitorError::Dump {
+            what: "addresses",
+            source,
+        })?;
         for ev in translate(RouteNetlinkMessage::NewAddress(addr)) {
             if events.send(ev).await.is_err() {
                 return Ok(n);
@@ -123,20 +132,30 @@ fn translate(msg: RouteNetlinkMessage) -> Vec<InterfaceEvent> {
             .map(|name| InterfaceEvent::Link {
                 index: l.header.index,
                 name,
-                up: l.header.flags.contains(LinkFlags::Up) && l.header.flags.contains(LinkFlags::Running),
+                up: l.header.flags.contains(LinkFlags::Up)
+                    && l.header.flags.contains(LinkFlags::Running),
             })
             .into_iter()
             .collect(),
         RouteNetlinkMessage::DelLink(l) => link_name(&l)
-            .map(|name| InterfaceEvent::LinkRemoved { index: l.header.index, name })
+            .map(|name| InterfaceEvent::LinkRemoved {
+                index: l.header.index,
+                name,
+            })
             .into_iter()
             .collect(),
         RouteNetlinkMessage::NewAddress(a) => addr_net(&a)
-            .map(|addr| InterfaceEvent::AddrAdded { index: a.header.index, addr })
+            .map(|addr| InterfaceEvent::AddrAdded {
+                index: a.header.index,
+                addr,
+            })
             .into_iter()
             .collect(),
         RouteNetlinkMessage::DelAddress(a) => addr_net(&a)
-            .map(|addr| InterfaceEvent::AddrRemoved { index: a.header.index, addr })
+            .map(|addr| InterfaceEvent::AddrRemoved {
+                index: a.header.index,
+                addr,
+            })
             .into_iter()
             .collect(),
         _ => Vec::new(),

@@ -13,7 +13,10 @@ pub enum ManagerError {
     /// The desired state is inconsistent (e.g. a reference to an unknown
     /// object); a retry helps once the missing update arrives.
     #[error("{manager}: {reason}")]
-    Inconsistent { manager: &'static str, reason: String },
+    Inconsistent {
+        manager: &'static str,
+        reason: String,
+    },
 }
 
 impl ManagerError {
@@ -85,7 +88,10 @@ pub mod recording {
         fn on_interface(&mut self, event: &InterfaceEvent) {
             self.seen.lock().unwrap().interfaces.push(event.clone());
         }
-        fn complete_deferred_work(&mut self, _kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        fn complete_deferred_work(
+            &mut self,
+            _kernel: &mut DesiredKernel,
+        ) -> Result<(), ManagerError> {
             self.seen.lock().unwrap().batches += 1;
             for op in self.pending.drain(..) {
                 self.backend.queue(op);

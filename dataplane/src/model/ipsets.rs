@@ -71,7 +71,9 @@ impl Member {
                     // rather than silently program something else.
                     return Err(ValidationError::new(
                         "",
-                        format!("{s:?}: a /0 cannot be a hash:net member; use 0.0.0.0/1 and 128.0.0.0/1"),
+                        format!(
+                            "{s:?}: a /0 cannot be a hash:net member; use 0.0.0.0/1 and 128.0.0.0/1"
+                        ),
                     ));
                 }
                 Ok(Self::Net(net))
@@ -162,16 +164,39 @@ mod tests {
 
     #[test]
     fn members_by_type() {
-        assert_eq!(Member::parse(IpSetType::Ip, "10.0.0.1").unwrap().to_string(), "10.0.0.1");
+        assert_eq!(
+            Member::parse(IpSetType::Ip, "10.0.0.1")
+                .unwrap()
+                .to_string(),
+            "10.0.0.1"
+        );
         assert!(Member::parse(IpSetType::Ip, "10.0.0.0/24").is_err());
-        assert_eq!(Member::parse(IpSetType::Net, "10.0.0.0/24").unwrap().to_string(), "10.0.0.0/24");
-        assert_eq!(Member::parse(IpSetType::Net, "10.0.0.7").unwrap().to_string(), "10.0.0.7/32");
+        assert_eq!(
+            Member::parse(IpSetType::Net, "10.0.0.0/24")
+                .unwrap()
+                .to_string(),
+            "10.0.0.0/24"
+        );
+        assert_eq!(
+            Member::parse(IpSetType::Net, "10.0.0.7")
+                .unwrap()
+                .to_string(),
+            "10.0.0.7/32"
+        );
         assert!(Member::parse(IpSetType::Net, "0.0.0.0/0").is_err());
         assert_eq!(
-            Member::parse(IpSetType::IpAndPort, "fd00::1,udp:53").unwrap().to_string(),
+            Member::parse(IpSetType::IpAndPort, "fd00::1,udp:53")
+                .unwrap()
+                .to_string(),
             "fd00::1,udp:53"
         );
-        for bad in ["10.0.0.1", "10.0.0.1,tcp", "10.0.0.1,icmp:1", "10.0.0.1,tcp:65536", "x,tcp:1"] {
+        for bad in [
+            "10.0.0.1",
+            "10.0.0.1,tcp",
+            "10.0.0.1,icmp:1",
+            "10.0.0.1,tcp:65536",
+            "x,tcp:1",
+        ] {
             assert!(Member::parse(IpSetType::IpAndPort, bad).is_err(), "{bad}");
         }
         assert!(Member::parse(IpSetType::Ip, "10.0.0.1\nadd x 1.1.1.1").is_err());
@@ -179,8 +204,14 @@ mod tests {
 
     #[test]
     fn members_by_shape() {
-        assert_eq!(Member::parse_any("10.1.2.3,tcp:80").unwrap().to_string(), "10.1.2.3,tcp:80");
-        assert_eq!(Member::parse_any("10.1.0.0/16").unwrap().to_string(), "10.1.0.0/16");
+        assert_eq!(
+            Member::parse_any("10.1.2.3,tcp:80").unwrap().to_string(),
+            "10.1.2.3,tcp:80"
+        );
+        assert_eq!(
+            Member::parse_any("10.1.0.0/16").unwrap().to_string(),
+            "10.1.0.0/16"
+        );
         assert!(Member::parse_any("10.1.2.3 -exist").is_err());
     }
 }

@@ -20,8 +20,7 @@ pub use endpoints::{
 };
 pub use ipsets::{IpSet, IpSetDelta, IpSetType, Member};
 pub use network::{
-    Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep,
-    WireguardEndpoint,
+    Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep, WireguardEndpoint,
 };
 pub use policy::{Action, IcmpMatch, Policy, PolicyId, PortRange, Profile, Protocol, Rule};
 
@@ -86,9 +85,7 @@ impl Id {
         if let Some(c) = s.chars().find(|c| !is_id_char(*c)) {
             return Err(ValidationError::new(
                 "",
-                format!(
-                    "contains {c:?}; allowed are letters, digits and . _ - : / @ + = ~"
-                ),
+                format!("contains {c:?}; allowed are letters, digits and . _ - : / @ + = ~"),
             ));
         }
         Ok(Self(s.into()))
@@ -147,7 +144,10 @@ impl IfaceName {
             ));
         }
         if s == "." || s == ".." {
-            return Err(ValidationError::new("", format!("{s:?} is not an interface name")));
+            return Err(ValidationError::new(
+                "",
+                format!("{s:?} is not an interface name"),
+            ));
         }
         if let Some(c) = s
             .chars()
@@ -155,7 +155,9 @@ impl IfaceName {
         {
             return Err(ValidationError::new(
                 "",
-                format!("interface name {s:?} contains {c:?}; allowed are letters, digits and . _ -"),
+                format!(
+                    "interface name {s:?} contains {c:?}; allowed are letters, digits and . _ -"
+                ),
             ));
         }
         Ok(Self(s.into()))
@@ -187,14 +189,24 @@ impl MacAddr {
         let mut out = [0u8; 6];
         let parts: Vec<&str> = s.split([':', '-']).collect();
         if parts.len() != 6 {
-            return Err(ValidationError::new("", format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)")));
+            return Err(ValidationError::new(
+                "",
+                format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)"),
+            ));
         }
         for (i, p) in parts.iter().enumerate() {
             if p.len() != 2 {
-                return Err(ValidationError::new("", format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)")));
+                return Err(ValidationError::new(
+                    "",
+                    format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)"),
+                ));
             }
-            out[i] = u8::from_str_radix(p, 16)
-                .map_err(|_| ValidationError::new("", format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)")))?;
+            out[i] = u8::from_str_radix(p, 16).map_err(|_| {
+                ValidationError::new(
+                    "",
+                    format!("{s:?} is not a MAC address (aa:bb:cc:dd:ee:ff)"),
+                )
+            })?;
         }
         Ok(Self(out))
     }
@@ -209,7 +221,11 @@ impl fmt::Debug for MacAddr {
 impl fmt::Display for MacAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let m = self.0;
-        write!(f, "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5])
+        write!(
+            f,
+            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+            m[0], m[1], m[2], m[3], m[4], m[5]
+        )
     }
 }
 
@@ -237,7 +253,11 @@ pub fn parse_ip(s: &str) -> Valid<IpAddr> {
 
 /// Parse an optional IP address: empty gives `None`.
 pub fn parse_ip_opt(s: &str) -> Valid<Option<IpAddr>> {
-    if s.is_empty() { Ok(None) } else { parse_ip(s).map(Some) }
+    if s.is_empty() {
+        Ok(None)
+    } else {
+        parse_ip(s).map(Some)
+    }
 }
 
 /// Parse a CIDR. A bare address is taken as a host route (/32 or /128), as
@@ -263,7 +283,10 @@ pub fn parse_net(s: &str) -> Valid<ipnet::IpNet> {
 /// annotations, messages): length only, and no NUL.
 pub fn check_text(s: &str, max: usize) -> Valid<()> {
     if s.len() > max {
-        return Err(ValidationError::new("", format!("is {} bytes; at most {max} allowed", s.len())));
+        return Err(ValidationError::new(
+            "",
+            format!("is {} bytes; at most {max} allowed", s.len()),
+        ));
     }
     if s.contains('\0') {
         return Err(ValidationError::new("", "contains a NUL byte"));
@@ -327,13 +350,19 @@ pub enum Key {
     WorkloadEndpoint(WorkloadEndpointId),
     HostMetadata(Id),
     IpamPool(Id),
-    ServiceAccount { namespace: Id, name: Id },
+    ServiceAccount {
+        namespace: Id,
+        name: Id,
+    },
     Namespace(Id),
     Route(ipnet::IpNet),
     Vtep(Id),
     WireguardEndpoint(Id),
     WireguardEndpointV6(Id),
-    Service { namespace: Id, name: Id },
+    Service {
+        namespace: Id,
+        name: Id,
+    },
     /// Singletons (config, encapsulation, BGP config): replaced, never removed.
     Singleton(Kind),
 }
@@ -379,8 +408,15 @@ pub enum Update {
     WorkloadEndpoint(WorkloadEndpointId, WorkloadEndpoint),
     HostMetadata(HostMetadata),
     IpamPool(Id, IpamPool),
-    ServiceAccount { namespace: Id, name: Id, labels: Vec<(String, String)> },
-    Namespace { name: Id, labels: Vec<(String, String)> },
+    ServiceAccount {
+        namespace: Id,
+        name: Id,
+        labels: Vec<(String, String)>,
+    },
+    Namespace {
+        name: Id,
+        labels: Vec<(String, String)>,
+    },
     Route(Route),
     Vtep(Vtep),
     WireguardEndpoint(WireguardEndpoint),
@@ -406,7 +442,9 @@ impl Update {
             Self::WorkloadEndpoint(id, _) => Key::WorkloadEndpoint(id.clone()),
             Self::HostMetadata(m) => Key::HostMetadata(m.hostname.clone()),
             Self::IpamPool(id, _) => Key::IpamPool(id.clone()),
-            Self::ServiceAccount { namespace, name, .. } => Key::ServiceAccount {
+            Self::ServiceAccount {
+                namespace, name, ..
+            } => Key::ServiceAccount {
                 namespace: namespace.clone(),
                 name: name.clone(),
             },
@@ -446,7 +484,12 @@ mod tests {
         ] {
             assert!(Id::new(bad).is_err(), "{bad:?} accepted");
         }
-        for good in ["s:abc-_XYZ09", "default.allow-all", "kns.default", "k8s/default/pod"] {
+        for good in [
+            "s:abc-_XYZ09",
+            "default.allow-all",
+            "kns.default",
+            "k8s/default/pod",
+        ] {
             assert_eq!(Id::new(good).unwrap().as_str(), good);
         }
         assert!(Id::new(&"a".repeat(MAX_ID_LEN)).is_ok());
@@ -476,14 +519,20 @@ mod tests {
 
     #[test]
     fn macs() {
-        assert_eq!(MacAddr::parse("EE:ee:ee:ee:ee:01").unwrap().to_string(), "ee:ee:ee:ee:ee:01");
+        assert_eq!(
+            MacAddr::parse("EE:ee:ee:ee:ee:01").unwrap().to_string(),
+            "ee:ee:ee:ee:ee:01"
+        );
         assert!(MacAddr::parse("ee:ee:ee:ee:ee").is_err());
         assert!(MacAddr::parse("ee:ee:ee:ee:ee:zz").is_err());
     }
 
     #[test]
     fn field_paths_compose() {
-        let e = ValidationError::new("", "bad").within("[3]").within("members").within("ipset_update");
+        let e = ValidationError::new("", "bad")
+            .within("[3]")
+            .within("members")
+            .within("ipset_update");
         assert_eq!(e.field, "ipset_update.members[3]");
     }
 }

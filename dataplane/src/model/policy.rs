@@ -53,9 +53,9 @@ impl Protocol {
     pub const UDPLITE: Self = Self(136);
 
     pub fn from_number(n: i32) -> Valid<Self> {
-        u8::try_from(n)
-            .map(Self)
-            .map_err(|_| ValidationError::new("number", format!("protocol number {n} is not 0-255")))
+        u8::try_from(n).map(Self).map_err(|_| {
+            ValidationError::new("number", format!("protocol number {n} is not 0-255"))
+        })
     }
 
     pub fn from_name(s: &str) -> Valid<Self> {
@@ -68,11 +68,14 @@ impl Protocol {
             "udplite" => Self::UDPLITE,
             other => {
                 if let Ok(n) = other.parse::<i32>() {
-                    return Self::from_number(n).map_err(|e| ValidationError::new("name", e.reason));
+                    return Self::from_number(n)
+                        .map_err(|e| ValidationError::new("name", e.reason));
                 }
                 return Err(ValidationError::new(
                     "name",
-                    format!("unknown protocol {s:?}; expected tcp, udp, icmp, icmpv6, sctp, udplite or a number"),
+                    format!(
+                        "unknown protocol {s:?}; expected tcp, udp, icmp, icmpv6, sctp, udplite or a number"
+                    ),
                 ));
             }
         })
@@ -105,7 +108,10 @@ impl PortRange {
         };
         let (a, b) = (port(first, "first")?, port(last, "last")?);
         if a > b {
-            return Err(ValidationError::new("", format!("port range {a}:{b} is reversed")));
+            return Err(ValidationError::new(
+                "",
+                format!("port range {a}:{b} is reversed"),
+            ));
         }
         Ok(Self { first: a, last: b })
     }
@@ -120,12 +126,20 @@ pub struct IcmpMatch {
 
 impl IcmpMatch {
     pub fn new(icmp_type: i32, code: Option<i32>) -> Valid<Self> {
-        let t = u8::try_from(icmp_type)
-            .map_err(|_| ValidationError::new("type", format!("ICMP type {icmp_type} is not 0-255")))?;
+        let t = u8::try_from(icmp_type).map_err(|_| {
+            ValidationError::new("type", format!("ICMP type {icmp_type} is not 0-255"))
+        })?;
         let c = code
-            .map(|c| u8::try_from(c).map_err(|_| ValidationError::new("code", format!("ICMP code {c} is not 0-255"))))
+            .map(|c| {
+                u8::try_from(c).map_err(|_| {
+                    ValidationError::new("code", format!("ICMP code {c} is not 0-255"))
+                })
+            })
             .transpose()?;
-        Ok(Self { icmp_type: t, code: c })
+        Ok(Self {
+            icmp_type: t,
+            code: c,
+        })
     }
 }
 
@@ -181,8 +195,13 @@ impl Rule {
                 "ports need protocol tcp, udp, sctp or udplite",
             ));
         }
-        if (self.icmp.is_some() || self.not_icmp.is_some()) && !self.protocol.is_some_and(Protocol::is_icmp) {
-            return Err(ValidationError::new("protocol", "an ICMP type needs protocol icmp or icmpv6"));
+        if (self.icmp.is_some() || self.not_icmp.is_some())
+            && !self.protocol.is_some_and(Protocol::is_icmp)
+        {
+            return Err(ValidationError::new(
+                "protocol",
+                "an ICMP type needs protocol icmp or icmpv6",
+            ));
         }
         if let Some(v) = self.ip_version {
             for (name, nets) in [
@@ -192,7 +211,10 @@ impl Rule {
                 ("not_dst_net", &self.not_dst_net),
             ] {
                 if let Some(n) = nets.iter().find(|n| super::IpVersion::of(&n.addr()) != v) {
-                    return Err(ValidationError::new(name, format!("{n} is not of the rule's ip_version {v:?}")));
+                    return Err(ValidationError::new(
+                        name,
+                        format!("{n} is not of the rule's ip_version {v:?}"),
+                    ));
                 }
             }
         }
@@ -235,7 +257,13 @@ mod tests {
 
     #[test]
     fn port_ranges() {
-        assert_eq!(PortRange::new(80, 0).unwrap(), PortRange { first: 80, last: 80 });
+        assert_eq!(
+            PortRange::new(80, 0).unwrap(),
+            PortRange {
+                first: 80,
+                last: 80
+            }
+        );
         assert!(PortRange::new(90, 80).is_err());
         assert!(PortRange::new(-1, 0).is_err());
         assert!(PortRange::new(1, 65536).is_err());

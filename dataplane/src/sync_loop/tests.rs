@@ -35,21 +35,33 @@ fn fast_config() -> LoopConfig {
 async fn start(cfg: LoopConfig) -> Harness {
     let (backend, handle) = RecordingBackend::new("rec", Phase::Tables);
     let (manager, seen) = RecordingManager::new(handle.clone());
-    let kernel = DesiredKernel { others: vec![Box::new(backend)] };
+    let kernel = DesiredKernel {
+        others: vec![Box::new(backend)],
+    };
     let lp = SyncLoop::new(cfg, vec![Box::new(manager)], kernel);
     let (feed_tx, feed_rx) = mpsc::channel(1000);
     let (if_tx, if_rx) = mpsc::channel(100);
     let (ev_tx, ev_rx) = broadcast::channel(100);
     let (st_tx, st_rx) = watch::channel(Status::default());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
-    let ch = Channels { feed: feed_rx, interfaces: if_rx, interface_resync: None, events: ev_tx, status: st_tx };
+    let ch = Channels {
+        feed: feed_rx,
+        interfaces: if_rx,
+        interface_resync: None,
+        events: ev_tx,
+        status: st_tx,
+    };
     tokio::spawn(lp.run(ch, async move {
         let _ = stop_rx.await;
     }));
     let (prog_tx, prog_rx) = watch::channel(0);
     let (rej_tx, rej_rx) = mpsc::unbounded_channel();
     feed_tx
-        .send(Feed::Open { session: 1, programmed: prog_tx, rejections: rej_tx })
+        .send(Feed::Open {
+            session: 1,
+            programmed: prog_tx,
+            rejections: rej_tx,
+        })
         .await
         .unwrap();
     Harness {
@@ -66,11 +78,22 @@ async fn start(cfg: LoopConfig) -> Harness {
 }
 
 fn set(id: &str) -> Update {
-    Update::IpSetUpdate(IpSet { id: Id::new(id).unwrap(), set_type: IpSetType::Ip, members: vec![] })
+    Update::IpSetUpdate(IpSet {
+        id: Id::new(id).unwrap(),
+        set_type: IpSetType::Ip,
+        members: vec![],
+    })
 }
 
 async fn send(h: &Harness, session: SessionId, seq: u64, update: Update) {
-    h.feed.send(Feed::Message { session, seq, update }).await.unwrap();
+    h.feed
+        .send(Feed::Message {
+            session,
+            seq,
+            update,
+        })
+        .await
+        .unwrap();
 }
 
 async fn wait_for(h: &mut Harness, what: impl Fn(&Status) -> bool) -> Status {
@@ -91,7 +114,11 @@ async fn nothing_applied_before_both_in_syncs() {
     send(&h, 1, 1, set("a")).await;
     send(&h, 1, 2, Update::InSync).await;
     settle().await;
-    assert_eq!(h.backend.lock().calls, 0, "applied before the interface monitor was in sync");
+    assert_eq!(
+        h.backend.lock().calls,
+        0,
+        "applied before the interface monitor was in sync"
+    );
     // The set reaches the managers at once; InSync is the loop's own business.
     assert_eq!(h.seen.lock().unwrap().updates, vec![set("a")]);
 
@@ -130,7 +157,13 @@ async fn a_burst_is_throttled_to_eleven_applies_in_100ms() {
     let t0 = std::time::Instant::now();
     let sender = tokio::spawn(async move {
         for i in 0..10_000u64 {
-            feed.send(Feed::Message { session: 1, seq: i + 1, update: set(&format!("s{i}")) }).await.unwrap();
+            feed.send(Feed::Message {
+                session: 1,
+                seq: i + 1,
+                update: set(&format!("s{i}")),
+            })
+            .await
+            .unwrap();
             if i % 50 == 0 {
                 tokio::task::yield_now().await;
             }
@@ -140,8 +173,14 @@ async fn a_burst_is_throttled_to_eleven_applies_in_100ms() {
     tokio::time::sleep(sleep_left).await;
     let in_first_100ms = h.backend.lock().calls - before;
     sender.await.unwrap();
-    assert!(in_first_100ms <= 11, "{in_first_100ms} applies in the first 100 ms");
-    assert!(in_first_100ms >= 2, "the burst should have applied a few times, got {in_first_100ms}");
+    assert!(
+        in_first_100ms <= 11,
+        "{in_first_100ms} applies in the first 100 ms"
+    );
+    assert!(
+        in_first_100ms >= 2,
+        "the burst should have applied a few times, got {in_first_100ms}"
+    );
     // Everything is programmed eventually.
     wait_for(&mut h, |s| s.last_programmed == 10_000 && !s.dirty).await;
     assert_eq!(h.status.borrow().objects.get("ipset"), Some(&10_000));
@@ -159,7 +198,12 @@ async fn drain_handles_queued_messages_in_one_wake() {
     h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
     wait_for(&mut h, |s| s.in_sync).await;
     let r = h.backend.lock();
-    assert_eq!(r.applied[0].len(), 50, "first apply had {} ops", r.applied[0].len());
+    assert_eq!(
+        r.applied[0].len(),
+        50,
+        "first apply had {} ops",
+        r.applied[0].len()
+    );
 }
 
 #[tokio::test]
@@ -171,13 +215,21 @@ async fn failing_backend_is_retried_and_in_sync_waits_for_success() {
     send(&h, 1, 2, Update::InSync).await;
     let st = wait_for(&mut h, |s| s.failed_applies >= 1).await;
     assert!(!st.in_sync);
-    assert!(st.last_error.as_deref().unwrap().contains("scripted failure"));
+    assert!(
+        st.last_error
+            .as_deref()
+            .unwrap()
+            .contains("scripted failure")
+    );
     // Not retried before the retry tick (300 ms here).
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(h.backend.lock().calls, 1);
     let t0 = std::time::Instant::now();
     let st = wait_for(&mut h, |s| s.in_sync).await;
-    assert!(t0.elapsed() >= Duration::from_millis(300), "retried too early");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(300),
+        "retried too early"
+    );
     assert_eq!(st.failed_applies, 2);
     assert_eq!(st.last_error, None);
     assert_eq!(h.backend.lock().calls, 3);
@@ -186,7 +238,11 @@ async fn failing_backend_is_retried_and_in_sync_waits_for_success() {
 
 #[tokio::test]
 async fn refresh_tick_forces_a_resync() {
-    let cfg = LoopConfig { ipset_refresh: Duration::from_millis(200), jitter: 0.0, ..fast_config() };
+    let cfg = LoopConfig {
+        ipset_refresh: Duration::from_millis(200),
+        jitter: 0.0,
+        ..fast_config()
+    };
     let mut h = start(cfg).await;
     h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
     send(&h, 1, 1, Update::InSync).await;
@@ -209,24 +265,49 @@ async fn second_session_in_sync_removes_what_it_lacks() {
 
     let (prog_tx, mut prog_rx) = watch::channel(0);
     let (rej_tx, _rej_rx) = mpsc::unbounded_channel();
-    h.feed.send(Feed::Open { session: 2, programmed: prog_tx, rejections: rej_tx }).await.unwrap();
+    h.feed
+        .send(Feed::Open {
+            session: 2,
+            programmed: prog_tx,
+            rejections: rej_tx,
+        })
+        .await
+        .unwrap();
     send(&h, 2, 1, set("b")).await;
     send(&h, 2, 2, set("c")).await;
     settle().await;
-    assert_eq!(h.status.borrow().objects.get("ipset"), Some(&3), "nothing removed before InSync");
+    assert_eq!(
+        h.status.borrow().objects.get("ipset"),
+        Some(&3),
+        "nothing removed before InSync"
+    );
     send(&h, 2, 3, Update::InSync).await;
-    tokio::time::timeout(Duration::from_secs(5), prog_rx.wait_for(|p| *p == 3)).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), prog_rx.wait_for(|p| *p == 3))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(h.status.borrow().objects.get("ipset"), Some(&2));
     let seen = h.seen.lock().unwrap();
-    let removes: Vec<_> = seen.updates.iter().filter(|u| matches!(u, Update::Remove(_))).collect();
-    assert_eq!(removes, vec![&Update::Remove(Key::IpSet(Id::new("a").unwrap()))]);
+    let removes: Vec<_> = seen
+        .updates
+        .iter()
+        .filter(|u| matches!(u, Update::Remove(_)))
+        .collect();
+    assert_eq!(
+        removes,
+        vec![&Update::Remove(Key::IpSet(Id::new("a").unwrap()))]
+    );
 }
 
 #[tokio::test]
 async fn delta_for_unknown_set_is_rejected_and_rest_applies() {
     let mut h = start(fast_config()).await;
     h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
-    let net = Update::IpSetUpdate(IpSet { id: Id::new("n").unwrap(), set_type: IpSetType::Net, members: vec![] });
+    let net = Update::IpSetUpdate(IpSet {
+        id: Id::new("n").unwrap(),
+        set_type: IpSetType::Net,
+        members: vec![],
+    });
     send(&h, 1, 1, net).await;
     let delta = |id: &str, m: &str| {
         Update::IpSetDeltaUpdate(IpSetDelta {
@@ -241,19 +322,38 @@ async fn delta_for_unknown_set_is_rejected_and_rest_applies() {
     send(&h, 1, 5, Update::InSync).await;
     wait_for(&mut h, |s| s.in_sync).await;
     let r1 = h.rejections.recv().await.unwrap();
-    assert_eq!((r1.sequence_number, r1.field.as_str()), (2, "ipset_delta_update.id"));
+    assert_eq!(
+        (r1.sequence_number, r1.field.as_str()),
+        (2, "ipset_delta_update.id")
+    );
     let r2 = h.rejections.recv().await.unwrap();
-    assert_eq!((r2.sequence_number, r2.field.as_str()), (3, "ipset_delta_update.added_members[0]"));
+    assert_eq!(
+        (r2.sequence_number, r2.field.as_str()),
+        (3, "ipset_delta_update.added_members[0]")
+    );
     let seen = h.seen.lock().unwrap();
-    let accepted: Vec<_> = seen.updates.iter().filter(|u| matches!(u, Update::IpSetDeltaUpdate(_))).collect();
+    let accepted: Vec<_> = seen
+        .updates
+        .iter()
+        .filter(|u| matches!(u, Update::IpSetDeltaUpdate(_)))
+        .collect();
     assert_eq!(accepted.len(), 1);
-    let Update::IpSetDeltaUpdate(d) = accepted[0] else { unreachable!() };
-    assert_eq!(d.added[0].to_string(), "10.0.0.1/32", "normalised to the set's type");
+    let Update::IpSetDeltaUpdate(d) = accepted[0] else {
+        unreachable!()
+    };
+    assert_eq!(
+        d.added[0].to_string(),
+        "10.0.0.1/32",
+        "normalised to the set's type"
+    );
 }
 
 #[test]
 fn iso_timestamps_look_right() {
     let s = iso_now();
     assert_eq!(s.len(), 20, "{s}");
-    assert!(s.starts_with("20") && s.ends_with('Z') && s.as_bytes()[10] == b'T', "{s}");
+    assert!(
+        s.starts_with("20") && s.ends_with('Z') && s.as_bytes()[10] == b'T',
+        "{s}"
+    );
 }

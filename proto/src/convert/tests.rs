@@ -2,7 +2,10 @@ use super::*;
 use crate::felix::{self, to_dataplane::Payload};
 
 fn msg(seq: u64, p: Payload) -> felix::ToDataplane {
-    felix::ToDataplane { sequence_number: seq, payload: Some(p) }
+    felix::ToDataplane {
+        sequence_number: seq,
+        payload: Some(p),
+    }
 }
 
 fn reject(p: Payload) -> Rejected {
@@ -20,26 +23,45 @@ fn ipset(id: &str, ty: felix::ip_set_update::IpSetType, members: &[&str]) -> Pay
 #[test]
 fn ipset_members_are_checked_by_type() {
     use felix::ip_set_update::IpSetType as T;
-    let ok = to_update(msg(1, ipset("s:a", T::Net, &["10.0.0.0/8", "fd00::/64"]))).unwrap().unwrap();
+    let ok = to_update(msg(1, ipset("s:a", T::Net, &["10.0.0.0/8", "fd00::/64"])))
+        .unwrap()
+        .unwrap();
     let Update::IpSetUpdate(s) = ok else { panic!() };
     assert_eq!(s.members.len(), 2);
     let r = reject(ipset("s:a", T::Ip, &["10.0.0.1", "10.0.0.0/8"]));
     assert_eq!(r.sequence_number, 7);
     assert_eq!(r.error.field, "ipset_update.members[1]");
-    let r = reject(ipset("s:a", T::IpAndPort, &["10.0.0.1,tcp:80\nadd x 1.2.3.4"]));
+    let r = reject(ipset(
+        "s:a",
+        T::IpAndPort,
+        &["10.0.0.1,tcp:80\nadd x 1.2.3.4"],
+    ));
     assert_eq!(r.error.field, "ipset_update.members[0]");
-    let r = reject(Payload::IpsetUpdate(felix::IpSetUpdate { id: "a".into(), members: vec![], r#type: 9 }));
+    let r = reject(Payload::IpsetUpdate(felix::IpSetUpdate {
+        id: "a".into(),
+        members: vec![],
+        r#type: 9,
+    }));
     assert_eq!(r.error.field, "ipset_update.type");
 }
 
 #[test]
 fn names_cannot_inject_rules() {
     use felix::ip_set_update::IpSetType as T;
-    for bad in ["x\n-A INPUT -j ACCEPT", "a b", "a\"b", "-A INPUT -j ACCEPT", ""] {
+    for bad in [
+        "x\n-A INPUT -j ACCEPT",
+        "a b",
+        "a\"b",
+        "-A INPUT -j ACCEPT",
+        "",
+    ] {
         let r = reject(ipset(bad, T::Ip, &[]));
         assert_eq!(r.error.field, "ipset_update.id", "{bad:?}");
         let r = reject(Payload::ActivePolicyUpdate(felix::ActivePolicyUpdate {
-            id: Some(felix::PolicyId { name: bad.into(), ..Default::default() }),
+            id: Some(felix::PolicyId {
+                name: bad.into(),
+                ..Default::default()
+            }),
             policy: Some(felix::Policy::default()),
         }));
         assert_eq!(r.error.field, "active_policy_update.id.name", "{bad:?}");
@@ -50,51 +72,136 @@ fn names_cannot_inject_rules() {
 fn rules_are_validated_field_by_field() {
     let rule = |r: felix::Rule| {
         Payload::ActivePolicyUpdate(felix::ActivePolicyUpdate {
-            id: Some(felix::PolicyId { name: "default.p".into(), ..Default::default() }),
+            id: Some(felix::PolicyId {
+                name: "default.p".into(),
+                ..Default::default()
+            }),
             policy: Some(felix::Policy {
                 inbound_rules: vec![felix::Rule::default(), r],
                 ..Default::default()
             }),
         })
     };
-    let tcp = || Some(felix::Protocol { number_or_name: Some(felix::protocol::NumberOrName::Name("tcp".into())) });
+    let tcp = || {
+        Some(felix::Protocol {
+            number_or_name: Some(felix::protocol::NumberOrName::Name("tcp".into())),
+        })
+    };
     let good = felix::Rule {
         action: "allow".into(),
         protocol: tcp(),
-        dst_ports: vec![felix::PortRange { first: 80, last: 90 }],
+        dst_ports: vec![felix::PortRange {
+            first: 80,
+            last: 90,
+        }],
         src_net: vec!["10.0.0.0/8".into()],
         icmp: None,
         ..Default::default()
     };
-    let Update::Policy(_, p) = to_update(msg(1, rule(good.clone()))).unwrap().unwrap() else { panic!() };
-    assert_eq!(p.inbound_rules[1].dst_ports[0], PortRange { first: 80, last: 90 });
+    let Update::Policy(_, p) = to_update(msg(1, rule(good.clone()))).unwrap().unwrap() else {
+        panic!()
+    };
+    assert_eq!(
+        p.inbound_rules[1].dst_ports[0],
+        PortRange {
+            first: 80,
+            last: 90
+        }
+    );
 
     let cases: Vec<(felix::Rule, &str)> = vec![
-        (felix::Rule { action: "accept".into(), ..good.clone() }, "action"),
-        (felix::Rule { dst_ports: vec![felix::PortRange { first: 90, last: 80 }], ..good.clone() }, "dst_ports[0]"),
-        (felix::Rule { src_ports: vec![felix::PortRange { first: 70000, last: 0 }], ..good.clone() }, "src_ports[0].first"),
-        (felix::Rule { src_net: vec!["10.0.0.0/8".into(), "10.0.0.300/32".into()], ..good.clone() }, "src_net[1]"),
-        (felix::Rule { protocol: Some(felix::Protocol { number_or_name: Some(felix::protocol::NumberOrName::Number(300)) }), ..good.clone() }, "protocol.number"),
-        (felix::Rule { protocol: None, ..good.clone() }, "protocol"),
-        (felix::Rule { ip_version: 5, ..good.clone() }, "ip_version"),
-        (felix::Rule { dst_ip_set_ids: vec!["ok".into(), "bad id".into()], ..good.clone() }, "dst_ip_set_ids[1]"),
+        (
+            felix::Rule {
+                action: "accept".into(),
+                ..good.clone()
+            },
+            "action",
+        ),
+        (
+            felix::Rule {
+                dst_ports: vec![felix::PortRange {
+                    first: 90,
+                    last: 80,
+                }],
+                ..good.clone()
+            },
+            "dst_ports[0]",
+        ),
+        (
+            felix::Rule {
+                src_ports: vec![felix::PortRange {
+                    first: 70000,
+                    last: 0,
+                }],
+                ..good.clone()
+            },
+            "src_ports[0].first",
+        ),
+        (
+            felix::Rule {
+                src_net: vec!["10.0.0.0/8".into(), "10.0.0.300/32".into()],
+                ..good.clone()
+            },
+            "src_net[1]",
+        ),
+        (
+            felix::Rule {
+                protocol: Some(felix::Protocol {
+                    number_or_name: Some(felix::protocol::NumberOrName::Number(300)),
+                }),
+                ..good.clone()
+            },
+            "protocol.number",
+        ),
+        (
+            felix::Rule {
+                protocol: None,
+                ..good.clone()
+            },
+            "protocol",
+        ),
+        (
+            felix::Rule {
+                ip_version: 5,
+                ..good.clone()
+            },
+            "ip_version",
+        ),
+        (
+            felix::Rule {
+                dst_ip_set_ids: vec!["ok".into(), "bad id".into()],
+                ..good.clone()
+            },
+            "dst_ip_set_ids[1]",
+        ),
     ];
     for (r, field) in cases {
         let e = reject(rule(r));
-        assert_eq!(e.error.field, format!("active_policy_update.policy.inbound_rules[1].{field}"), "{e}");
+        assert_eq!(
+            e.error.field,
+            format!("active_policy_update.policy.inbound_rules[1].{field}"),
+            "{e}"
+        );
     }
 }
 
 #[test]
 fn unsupported_matches_are_recorded() {
     let p = Payload::ActiveProfileUpdate(felix::ActiveProfileUpdate {
-        id: Some(felix::ProfileId { name: "kns.default".into() }),
+        id: Some(felix::ProfileId {
+            name: "kns.default".into(),
+        }),
         profile: Some(felix::Profile {
-            inbound_rules: vec![felix::Rule { http_match: Some(felix::HttpMatch::default()), ..Default::default() }],
+            inbound_rules: vec![felix::Rule {
+                http_match: Some(felix::HttpMatch::default()),
+                ..Default::default()
+            }],
             outbound_rules: vec![],
         }),
     });
-    let Update::Profile(_, p) = to_update(msg(1, p)).unwrap().unwrap() else { panic!() };
+    let Update::Profile(_, p) = to_update(msg(1, p)).unwrap().unwrap() else {
+        panic!()
+    };
     assert_eq!(p.inbound_rules[0].unsupported, vec!["http_match"]);
 }
 
@@ -117,8 +224,14 @@ fn workload_endpoints() {
         })
     };
     assert!(to_update(msg(1, wep("cali12345", vec!["10.65.0.2/32".into()]))).is_ok());
-    assert_eq!(reject(wep("cali12345+", vec![])).error.field, "workload_endpoint_update.endpoint.name");
-    assert_eq!(reject(wep("cali123456789012", vec![])).error.field, "workload_endpoint_update.endpoint.name");
+    assert_eq!(
+        reject(wep("cali12345+", vec![])).error.field,
+        "workload_endpoint_update.endpoint.name"
+    );
+    assert_eq!(
+        reject(wep("cali123456789012", vec![])).error.field,
+        "workload_endpoint_update.endpoint.name"
+    );
     assert_eq!(
         reject(wep("cali1", vec!["fd00::1/128".into()])).error.field,
         "workload_endpoint_update.endpoint.ipv4_nets[0]"
@@ -137,7 +250,19 @@ fn wireguard_keys() {
 
 #[test]
 fn empty_payload_is_ignored_and_removes_convert() {
-    assert_eq!(to_update(felix::ToDataplane { sequence_number: 1, payload: None }).unwrap(), None);
-    let u = to_update(msg(2, Payload::IpsetRemove(felix::IpSetRemove { id: "s:x".into() }))).unwrap().unwrap();
+    assert_eq!(
+        to_update(felix::ToDataplane {
+            sequence_number: 1,
+            payload: None
+        })
+        .unwrap(),
+        None
+    );
+    let u = to_update(msg(
+        2,
+        Payload::IpsetRemove(felix::IpSetRemove { id: "s:x".into() }),
+    ))
+    .unwrap()
+    .unwrap();
     assert_eq!(u, Update::Remove(Key::IpSet(Id::new("s:x").unwrap())));
 }
