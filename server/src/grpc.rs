@@ -1,0 +1,246 @@
+//! The `dphandler.v1.Dataplane` service. Handlers validate and convert each
+//! message (`dphandler_proto::convert`) and enqueue it for the sync loop;
+//! they never touch the kernel.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use dphandler_dataplane::sync_loop::{Feed, Rejection, StatusEvent};
+use dphandler_proto::felix::{self, from_dataplane};
+use dphandler_proto::v1::{self, dataplane_server::Dataplane};
+use futures::Stream;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{info, warn};
+
+use crate::connector::Connector;
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[derive(Debug)]
+pub struct DataplaneService {
+    conn: Connector,
+    next_session: AtomicU64,
+    started: Instant,
+}
+
+impl DataplaneService {
+    pub fn new(conn: Connector) -> Self {
+        Self {
+            conn,
+            next_session: AtomicU64::new(1),
+            started: Instant::now(),
+        }
+    }
+}
+
+fn rejected(r: Rejection) -> v1::ToDataplaneReply {
+    v1::ToDataplaneReply {
+        kind: Some(v1::to_dataplane_reply::Kind::Rejected(v1::Rejection {
+            sequence_number: r.sequence_number,
+            field: r.field,
+            reason: r.reason,
+        })),
+    }
+}
+
+fn programmed(seq: u64) -> v1::ToDataplaneReply {
+    v1::ToDataplaneReply {
+        kind: Some(v1::to_dataplane_reply::Kind::Programmed(v1::Programmed {
+            sequence_number: seq,
+        })),
+    }
+}
+
+/// The loop's event as the wire's `FromDataplane`.
+pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
+    let payload = match ev {
+        StatusEvent::DataplaneInSync => {
+            from_dataplane::Payload::DataplaneInSync(felix::DataplaneInSync {})
+        }
+        StatusEvent::ProcessStatus {
+            iso_timestamp,
+            uptime,
+        } => from_dataplane::Payload::ProcessStatusUpdate(felix::ProcessStatusUpdate {
+            iso_timestamp,
+            uptime,
+        }),
+    };
+    felix::FromDataplane {
+        sequence_number: 0,
+        payload: Some(payload),
+    }
+}
+
+fn update(f: felix::FromDataplane) -> v1::StatusUpdate {
+    v1::StatusUpdate {
+        kind: Some(v1::status_update::Kind::Update(f)),
+    }
+}
+
+#[tonic::async_trait]
+impl Dataplane for DataplaneService {
+    type ToDataplaneStream = BoxStream<v1::ToDataplaneReply>;
+    type StatusUpdatesStream = BoxStream<v1::StatusUpdate>;
+
+    async fn to_dataplane(
+        &self,
+        request: Request<Streaming<felix::ToDataplane>>,
+    ) -> Result<Response<Self::ToDataplaneStream>, Status> {
+        let mut inbound = request.into_inner();
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let (prog_tx, mut prog_rx) = watch::channel(0u64);
+        let (rej_tx, mut rej_rx) = mpsc::unbounded_channel::<Rejection>();
+        let feed = self.conn.feed.clone();
+        feed.send(Feed::Open {
+            session,
+            programmed: prog_tx,
+            rejections: rej_tx.clone(),
+        })
+        .await
+        .map_err(|_| Status::unavailable("the dataplane is shutting down"))?;
+        info!(session, "feeder connected");
+
+        // Reader: validate, convert, enqueue. Waiting on a full feed channel
+        // is the back-pressure.
+        let (done_tx, mut done_rx) = watch::channel::<Option<Option<u64>>>(None);
+        let reader_feed = feed.clone();
+        tokio::spawn(async move {
+            let mut last_accepted = None;
+            loop {
+                match inbound.message().await {
+                    Ok(Some(msg)) => {
+                        let seq = msg.sequence_number;
+                        match dphandler_proto::convert::to_update(msg) {
+                            Ok(Some(update)) => {
+                                if reader_feed
+                                    .send(Feed::Message {
+                                        session,
+                                        seq,
+                                        update,
+                                    })
+                                    .await
+                                    .is_err()
+                                {
+                                    break;
+                                }
+                                last_accepted = Some(seq);
+                            }
+                            Ok(None) => {}
+                            Err(r) => {
+                                warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
+                                let _ = rej_tx.send(Rejection {
+                                    sequence_number: seq,
+                                    field: r.error.field,
+                                    reason: r.error.reason,
+                                });
+                            }
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        info!(session, error = %e, "feeder stream ended with an error");
+                        break;
+                    }
+                }
+            }
+            let _ = done_tx.send(Some(last_accepted));
+        });
+
+        // Writer: rejections as they come, Programmed after each apply. Ends
+        // when the feeder has finished sending and everything it sent is
+        // programmed, or when the client goes away. The kernel is left as it is.
+        let (out_tx, out_rx) = mpsc::channel(128);
+        tokio::spawn(async move {
+            let mut finished: Option<Option<u64>> = None;
+            loop {
+                if let Some(last) = finished {
+                    let all_programmed = last.is_none_or(|l| *prog_rx.borrow() >= l);
+                    if all_programmed && rej_rx.is_empty() {
+                        break;
+                    }
+                }
+                tokio::select! {
+                    Some(r) = rej_rx.recv() => {
+                        if out_tx.send(Ok(rejected(r))).await.is_err() { break; }
+                    }
+                    changed = prog_rx.changed() => {
+                        if changed.is_err() { break; }
+                        let seq = *prog_rx.borrow_and_update();
+                        if out_tx.send(Ok(programmed(seq))).await.is_err() { break; }
+                    }
+                    changed = done_rx.changed(), if finished.is_none() => {
+                        if changed.is_err() { finished = Some(None); continue; }
+                        finished = *done_rx.borrow();
+                    }
+                    () = out_tx.closed() => break,
+                }
+            }
+            let _ = feed.send(Feed::Close { session }).await;
+            info!(session, "feeder stream closed");
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+
+    async fn status_updates(
+        &self,
+        _request: Request<v1::StatusUpdatesRequest>,
+    ) -> Result<Response<Self::StatusUpdatesStream>, Status> {
+        // Subscribe first, then look at the status: an InSync that happens in
+        // between is seen on the channel and the synthesised one suppressed.
+        let mut events = self.conn.events.subscribe();
+        let already_in_sync = self.conn.status.borrow().in_sync;
+        let (out_tx, out_rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            if already_in_sync
+                && out_tx
+                    .send(Ok(update(from_event(StatusEvent::DataplaneInSync))))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+            loop {
+                let item = match events.recv().await {
+                    Ok(StatusEvent::DataplaneInSync) if already_in_sync => continue,
+                    Ok(ev) => update(from_event(ev)),
+                    Err(broadcast::error::RecvError::Lagged(missed)) => v1::StatusUpdate {
+                        kind: Some(v1::status_update::Kind::Lagged(v1::Lagged { missed })),
+                    },
+                    Err(broadcast::error::RecvError::Closed) => break,
+                };
+                if out_tx.send(Ok(item)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out_rx))))
+    }
+
+    async fn get_status(
+        &self,
+        _request: Request<v1::GetStatusRequest>,
+    ) -> Result<Response<v1::DataplaneStatus>, Status> {
+        let s = self.conn.status.borrow().clone();
+        Ok(Response::new(v1::DataplaneStatus {
+            in_sync: s.in_sync,
+            datastore_in_sync: s.datastore_in_sync,
+            interfaces_in_sync: s.interfaces_in_sync,
+            dirty: s.dirty,
+            last_programmed_sequence: s.last_programmed,
+            applies: s.applies,
+            failed_applies: s.failed_applies,
+            objects: s
+                .objects
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), *v))
+                .collect(),
+            feeders: s.feeders,
+            watchers: u32::try_from(self.conn.events.receiver_count()).unwrap_or(u32::MAX),
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            last_error: s.last_error.unwrap_or_default(),
+        }))
+    }
+}
