@@ -155,9 +155,12 @@ impl Dataplane for DataplaneService {
         let (out_tx, out_rx) = mpsc::channel(128);
         tokio::spawn(async move {
             let mut finished: Option<Option<u64>> = None;
+            // Judge completion by what was sent, not by the watch's newest
+            // value: otherwise the stream could end before telling the client.
+            let mut sent = 0u64;
             loop {
                 if let Some(last) = finished {
-                    let all_programmed = last.is_none_or(|l| *prog_rx.borrow() >= l);
+                    let all_programmed = last.is_none_or(|l| sent >= l);
                     if all_programmed && rej_rx.is_empty() {
                         break;
                     }
@@ -170,6 +173,7 @@ impl Dataplane for DataplaneService {
                         if changed.is_err() { break; }
                         let seq = *prog_rx.borrow_and_update();
                         if out_tx.send(Ok(programmed(seq))).await.is_err() { break; }
+                        sent = seq;
                     }
                     changed = done_rx.changed(), if finished.is_none() => {
                         if changed.is_err() { finished = Some(None); continue; }

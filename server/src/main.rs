@@ -49,6 +49,9 @@ struct ServeArgs {
     /// Concurrent HTTP/2 streams per connection.
     #[arg(long, env = "DPH_MAX_CONCURRENT_STREAMS", default_value_t = 64)]
     max_concurrent_streams: u32,
+    /// Seconds open streams get to finish after SIGTERM/SIGINT.
+    #[arg(long, env = "DPH_SHUTDOWN_GRACE_SECONDS", default_value_t = 2.0)]
+    shutdown_grace_seconds: f64,
 }
 
 #[tokio::main]
@@ -78,10 +81,9 @@ async fn shutdown_signal() {
     }
 }
 
-/// How long open streams get to finish after SIGTERM.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
-
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let grace = std::time::Duration::try_from_secs_f64(args.shutdown_grace_seconds)
+        .context("--shutdown-grace-seconds must be a non-negative number")?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let loop_stop = {
         let mut rx = stop_rx.clone();
@@ -122,8 +124,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         r = server => r.context("gRPC server")?,
         () = async {
             let _ = signalled.wait_for(|s| *s).await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
-        } => info!(grace = ?SHUTDOWN_GRACE, "streams still open after the grace period; stopping"),
+            tokio::time::sleep(grace).await;
+        } => info!(?grace, "streams still open after the grace period; stopping"),
     }
     let _ = stop_tx.send(true);
     let _ = loop_task.await;
