@@ -102,6 +102,10 @@ fn root() -> bool {
 #[tokio::test]
 async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<()> {
     if !root() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the privileged tests as root"
+        );
         eprintln!("skipped: needs root");
         return Ok(());
     }
@@ -208,6 +212,10 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
 #[tokio::test]
 async fn live_socket_is_refused_and_stale_one_replaced() -> Result<()> {
     if !root() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the privileged tests as root"
+        );
         eprintln!("skipped: needs root");
         return Ok(());
     }
