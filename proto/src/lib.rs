@@ -5,6 +5,8 @@
 //! - [`convert`]: validation and conversion of `felix::ToDataplane` into the
 //!   dataplane's model (`dphandler_dataplane::model`). Nothing that fails here
 //!   reaches the kernel.
+//! - [`text`]: the canonical JSON mapping (YAML, JSON, NDJSON) of the messages.
+//! - [`client`]: connecting to the server over its unix socket or TCP.
 
 #[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
 pub mod felix {
@@ -20,7 +22,9 @@ pub mod dphandler {
 }
 pub use dphandler::v1;
 
+pub mod client;
 pub mod convert;
+pub mod text;
 
 /// The encoded `FileDescriptorSet` of all our `.proto` files (for gRPC
 /// reflection and the canonical JSON mapping).

@@ -54,6 +54,27 @@ fn programmed(seq: u64) -> v1::ToDataplaneReply {
     }
 }
 
+/// What the reader saw when the client's side of the stream ended.
+#[derive(Debug, Clone, Copy)]
+struct ReadSummary {
+    last_accepted: Option<u64>,
+    messages: u64,
+    rejected: u64,
+    /// The client half-closed (rather than the stream failing).
+    half_closed: bool,
+}
+
+fn received(s: &ReadSummary, datastore_in_sync: bool) -> v1::ToDataplaneReply {
+    v1::ToDataplaneReply {
+        kind: Some(v1::to_dataplane_reply::Kind::Received(v1::Received {
+            messages: s.messages,
+            rejected: s.rejected,
+            last_accepted_sequence: s.last_accepted.unwrap_or(0),
+            datastore_in_sync,
+        })),
+    }
+}
+
 /// The loop's event as the wire's `FromDataplane`.
 pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
     let payload = match ev {
@@ -105,13 +126,16 @@ impl Dataplane for DataplaneService {
 
         // Reader: validate, convert, enqueue. Waiting on a full feed channel
         // is the back-pressure.
-        let (done_tx, mut done_rx) = watch::channel::<Option<Option<u64>>>(None);
+        let (done_tx, mut done_rx) = watch::channel::<Option<ReadSummary>>(None);
         let reader_feed = feed.clone();
         tokio::spawn(async move {
             let mut last_accepted = None;
+            let (mut messages, mut rejected_count) = (0u64, 0u64);
+            let mut half_closed = false;
             loop {
                 match inbound.message().await {
                     Ok(Some(msg)) => {
+                        messages += 1;
                         let seq = msg.sequence_number;
                         match dphandler_proto::convert::to_update(msg) {
                             Ok(Some(update)) => {
@@ -130,6 +154,7 @@ impl Dataplane for DataplaneService {
                             }
                             Ok(None) => {}
                             Err(r) => {
+                                rejected_count += 1;
                                 warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
                                 let _ = rej_tx.send(Rejection {
                                     sequence_number: seq,
@@ -139,20 +164,31 @@ impl Dataplane for DataplaneService {
                             }
                         }
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        half_closed = true;
+                        break;
+                    }
                     Err(e) => {
                         info!(session, error = %e, "feeder stream ended with an error");
                         break;
                     }
                 }
             }
-            let _ = done_tx.send(Some(last_accepted));
+            // Every rejection is queued before this, so the writer sends them
+            // all before Received.
+            let _ = done_tx.send(Some(ReadSummary {
+                last_accepted,
+                messages,
+                rejected: rejected_count,
+                half_closed,
+            }));
         });
 
         // Writer: rejections as they come, Programmed after each apply. Ends
         // when the feeder has finished sending and everything it sent is
         // programmed, or when the client goes away. The kernel is left as it is.
         let (out_tx, out_rx) = mpsc::channel(128);
+        let status = self.conn.status.clone();
         tokio::spawn(async move {
             let mut finished: Option<Option<u64>> = None;
             // Judge completion by what was sent, not by the watch's newest
@@ -176,8 +212,20 @@ impl Dataplane for DataplaneService {
                         sent = seq;
                     }
                     changed = done_rx.changed(), if finished.is_none() => {
-                        if changed.is_err() { finished = Some(None); continue; }
-                        finished = *done_rx.borrow();
+                        let summary = if changed.is_err() { None } else { *done_rx.borrow() };
+                        let Some(summary) = summary else {
+                            finished = Some(None);
+                            continue;
+                        };
+                        finished = Some(summary.last_accepted);
+                        if summary.half_closed {
+                            let mut broken = false;
+                            while let Ok(r) = rej_rx.try_recv() {
+                                if out_tx.send(Ok(rejected(r))).await.is_err() { broken = true; break; }
+                            }
+                            let received = received(&summary, status.borrow().datastore_in_sync);
+                            if broken || out_tx.send(Ok(received)).await.is_err() { break; }
+                        }
                     }
                     () = out_tx.closed() => break,
                 }

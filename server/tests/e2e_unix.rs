@@ -134,12 +134,22 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
         .into_inner();
     let mut rejected = Vec::new();
     let mut programmed = 0;
+    let mut received = None;
     while let Some(r) = tokio::time::timeout(Duration::from_secs(10), replies.message()).await?? {
         match r.kind.unwrap() {
-            v1::to_dataplane_reply::Kind::Rejected(r) => rejected.push(r),
+            v1::to_dataplane_reply::Kind::Rejected(r) => {
+                assert!(received.is_none(), "rejections come before Received");
+                rejected.push(r)
+            }
             v1::to_dataplane_reply::Kind::Programmed(p) => programmed = p.sequence_number,
+            v1::to_dataplane_reply::Kind::Received(r) => received = Some(r),
         }
     }
+    let received = received.expect("Received is sent after the client half-closes");
+    assert_eq!(
+        (received.messages, received.rejected, received.last_accepted_sequence),
+        (5, 2, 5)
+    );
     assert_eq!(
         programmed, 5,
         "the stream ends once everything it sent is programmed"
