@@ -106,12 +106,9 @@ pub async fn connect_tcp(
         }
         ep = ep.tls_config(cfg).map_err(settings)?;
     }
-    let ch = ep
-        .connect()
-        .await
-        .map_err(|source| ConnectError::Connect {
-            target: target.clone(),
-            source,
-        })?;
+    let ch = ep.connect().await.map_err(|source| ConnectError::Connect {
+        target: target.clone(),
+        source,
+    })?;
     Ok(DataplaneClient::new(ch))
 }

@@ -2,117 +2,24 @@
 //! tonic client over the unix socket. Needs root.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
-use dphandler_proto::v1::{self, dataplane_client::DataplaneClient};
-use tokio::net::UnixStream;
-use tonic::transport::{Channel, Endpoint};
-
-struct Netns(String);
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-/// The daemon, ended by PID when dropped.
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(i32::try_from(self.0.id()).unwrap()),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.0.wait();
-    }
-}
-
-fn start(tag: &str, socket: &Path) -> Result<(Netns, Daemon)> {
-    let ns = Netns(format!("dph-{tag}-{}", std::process::id()));
-    let st = Command::new("ip").args(["netns", "add", &ns.0]).status()?;
-    if !st.success() {
-        bail!("ip netns add failed");
-    }
-    let child = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.0,
-            env!("CARGO_BIN_EXE_dphandler"),
-            "serve",
-            "--socket",
-        ])
-        .arg(socket)
-        .env("DPH_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("spawning dphandler")?;
-    Ok((ns, Daemon(child)))
-}
-
-async fn connect(socket: &Path) -> Result<DataplaneClient<Channel>> {
-    for _ in 0..100 {
-        if socket.exists() {
-            let p = socket.to_path_buf();
-            let ch = Endpoint::try_from("http://[::]:50051")?
-                .connect_with_connector(tower::service_fn(move |_| {
-                    let p = p.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                            UnixStream::connect(p).await?,
-                        ))
-                    }
-                }))
-                .await;
-            if let Ok(ch) = ch {
-                return Ok(DataplaneClient::new(ch));
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    bail!("server did not come up on {}", socket.display())
-}
-
-fn msg(seq: u64, p: Payload) -> felix::ToDataplane {
-    felix::ToDataplane {
-        sequence_number: seq,
-        payload: Some(p),
-    }
-}
-
-fn ipset(id: &str, members: &[&str]) -> Payload {
-    Payload::IpsetUpdate(felix::IpSetUpdate {
-        id: id.into(),
-        members: members.iter().map(|s| s.to_string()).collect(),
-        r#type: felix::ip_set_update::IpSetType::Ip as i32,
-    })
-}
-
-fn root() -> bool {
-    nix::unistd::Uid::effective().is_root()
-}
+use dphandler_proto::v1;
+use dphandler_tests::{Daemon, Netns, bin, ipset, msg, privileged, tempdir};
 
 #[tokio::test]
 async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<()> {
-    if !root() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must run the privileged tests as root"
-        );
-        eprintln!("skipped: needs root");
+    if !privileged() {
         return Ok(());
     }
-    let dir = tempfile::tempdir()?;
-    let socket: PathBuf = dir.path().join("dp.sock");
-    let (_ns, _d) = start("e2e", &socket)?;
-    let mut client = connect(&socket).await?;
+    let dir = tempdir()?;
+    let socket = dir.path().join("dp.sock");
+    let ns = Netns::new("e2e")?;
+    let d = Daemon::start(&ns, &socket, &[])?;
+    let mut client = d.connect().await?;
     let mode = std::fs::metadata(&socket)?.permissions().mode() & 0o777;
     assert_eq!(mode, 0o660, "socket mode {mode:o}");
 
@@ -147,7 +54,11 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
     }
     let received = received.expect("Received is sent after the client half-closes");
     assert_eq!(
-        (received.messages, received.rejected, received.last_accepted_sequence),
+        (
+            received.messages,
+            received.rejected,
+            received.last_accepted_sequence
+        ),
         (5, 2, 5)
     );
     assert_eq!(
@@ -221,25 +132,21 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
 
 #[tokio::test]
 async fn live_socket_is_refused_and_stale_one_replaced() -> Result<()> {
-    if !root() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must run the privileged tests as root"
-        );
-        eprintln!("skipped: needs root");
+    if !privileged() {
         return Ok(());
     }
-    let dir = tempfile::tempdir()?;
+    let dir = tempdir()?;
     let socket = dir.path().join("dp.sock");
     // A stale socket file: bound once, nobody listening.
     drop(std::os::unix::net::UnixListener::bind(&socket)?);
     assert!(socket.exists());
-    let (_ns, _d) = start("sock", &socket)?;
-    let mut client = connect(&socket).await?;
+    let ns = Netns::new("sock")?;
+    let d = Daemon::start(&ns, &socket, &[])?;
+    let mut client = d.connect().await?;
     client.get_status(v1::GetStatusRequest {}).await?;
 
     // A second server on the same socket refuses to start.
-    let out = Command::new(env!("CARGO_BIN_EXE_dphandler"))
+    let out = Command::new(bin("dphandler"))
         .args(["serve", "--socket"])
         .arg(&socket)
         .output()?;

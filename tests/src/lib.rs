@@ -1,0 +1,203 @@
+//! Helpers for the privileged end-to-end tests in `tests/tests/`.
+//!
+//! Every test that needs root creates its own network namespaces (unique
+//! names, removed when the guard drops, also when the test fails), runs the
+//! real `dphandler` inside one of them and ends it by PID. Nothing here
+//! changes the host's own namespace, and traffic only ever goes to loopback or
+//! to addresses inside the test's namespaces.
+//!
+//! The binaries are looked up next to the test executable
+//! (`target/<profile>/`): `cargo build --workspace --bins` (which `.ci/run`
+//! does) builds them. `DPH_TEST_BIN_DIR` overrides the directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use dphandler_proto::felix::{self, to_dataplane::Payload};
+use dphandler_proto::v1::dataplane_client::DataplaneClient;
+use tonic::transport::Channel;
+
+/// True when the test may go on: we are root. Without root the test is
+/// skipped, except under CI (`CI` set), where that is a failure.
+pub fn privileged() -> bool {
+    if nix::unistd::Uid::effective().is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must run the privileged tests as root"
+    );
+    eprintln!("skipped: needs root");
+    false
+}
+
+/// Path of one of the workspace's binaries (`dphandler`, `dphctl`).
+pub fn bin(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("DPH_TEST_BIN_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().expect("the test knows its own path");
+            // target/<profile>/deps/<test> -> target/<profile>
+            exe.parent()
+                .and_then(Path::parent)
+                .expect("the test runs from target/<profile>/deps")
+                .to_path_buf()
+        }
+    };
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// A network namespace of the test's own, deleted on drop.
+#[derive(Debug)]
+pub struct Netns(pub String);
+
+impl Netns {
+    /// Creates `dph-<tag>-<pid>-<n>`.
+    pub fn new(tag: &str) -> Result<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "dph-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let st = Command::new("ip").args(["netns", "add", &name]).status()?;
+        if !st.success() {
+            bail!("ip netns add {name} failed");
+        }
+        Ok(Self(name))
+    }
+
+    /// A command that runs `program` inside the namespace.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).arg(program);
+        c
+    }
+
+    /// Runs a command in the namespace and returns its output, failing with
+    /// its stderr if it fails.
+    pub fn run(&self, program: &str, args: &[&str]) -> Result<Output> {
+        let out = self.command(program).args(args).output()?;
+        if !out.status.success() {
+            bail!(
+                "{program} {args:?} in {}: {}",
+                self.0,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// A `dphandler serve` we started, ended by PID (SIGTERM) on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Child,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `dphandler serve --socket <socket> <extra>` inside `ns`.
+    pub fn start(ns: &Netns, socket: &Path, extra: &[&str]) -> Result<Self> {
+        let child = ns
+            .command(bin("dphandler"))
+            .args(["serve", "--socket"])
+            .arg(socket)
+            .args(extra)
+            .env("DPH_LOG", std::env::var("DPH_LOG").unwrap_or("info".into()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning dphandler")?;
+        Ok(Self {
+            child,
+            socket: socket.to_path_buf(),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(mut self) -> Result<std::process::ExitStatus> {
+        self.terminate();
+        Ok(self.child.wait()?)
+    }
+
+    fn terminate(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pid fits"));
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    }
+
+    /// Waits until the daemon answers on its socket.
+    pub async fn connect(&self) -> Result<DataplaneClient<Channel>> {
+        connect(&self.socket).await
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.terminate();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Connects to the socket, retrying while the server comes up (10 s).
+pub async fn connect(socket: &Path) -> Result<DataplaneClient<Channel>> {
+    let mut last = None;
+    for _ in 0..200 {
+        if socket.exists() {
+            match dphandler_proto::client::connect_unix(socket).await {
+                Ok(c) => return Ok(c),
+                Err(e) => last = Some(e),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("server did not come up on {}: {last:?}", socket.display())
+}
+
+/// A numbered message.
+pub fn msg(seq: u64, p: Payload) -> felix::ToDataplane {
+    felix::ToDataplane {
+        sequence_number: seq,
+        payload: Some(p),
+    }
+}
+
+/// An IP set of type IP.
+pub fn ipset(id: &str, members: &[&str]) -> Payload {
+    Payload::IpsetUpdate(felix::IpSetUpdate {
+        id: id.into(),
+        members: members.iter().map(|s| s.to_string()).collect(),
+        r#type: felix::ip_set_update::IpSetType::Ip as i32,
+    })
+}
+
+/// InSync.
+pub fn in_sync() -> Payload {
+    Payload::InSync(felix::InSync {})
+}
+
+/// A temporary directory for sockets and files.
+pub fn tempdir() -> Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix("dph-test-").tempdir()?)
+}
