@@ -11,6 +11,8 @@ use dphandler_server::{connector, grpc::DataplaneService, listen};
 use tokio_stream::wrappers::UnixListenerStream;
 use tracing::info;
 
+mod demo;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "dphandler",
@@ -32,6 +34,10 @@ struct Cli {
 enum Command {
     /// Serve the Dataplane API.
     Serve(ServeArgs),
+    /// Run the real server in a sandbox network namespace, push the bundled
+    /// scenario through gRPC, wait for DataplaneInSync and print what was
+    /// programmed. Needs root; the host's namespace is left alone.
+    Demo(demo::DemoArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -68,6 +74,12 @@ async fn main() -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Serve(args) => serve(args).await,
+        // On Ctrl-C the demo's future is dropped, and with it the guards that
+        // stop the server and remove the namespace.
+        Command::Demo(args) => tokio::select! {
+            r = demo::run(args, &cli.log) => r,
+            _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; sandbox removed"),
+        },
     }
 }
 

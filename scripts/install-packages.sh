@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the system packages dphandler's demo and tests need, when missing
+# (Debian/Ubuntu, as root). Sourced by demo.sh and .ci/run.
+set -euo pipefail
+need=()
+for tool in ip:iproute2 iptables:iptables ipset:ipset nft:nftables ping:iputils-ping; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool##*:}")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "cargo is missing: install a Rust toolchain (1.95 or newer, e.g. with rustup) and run this again" >&2
+  exit 1
+fi
