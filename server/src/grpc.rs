@@ -55,8 +55,11 @@ fn programmed(seq: u64) -> v1::ToDataplaneReply {
 }
 
 /// What the reader saw when the client's side of the stream ended.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct ReadSummary {
+    /// The stream failed (e.g. a message over the size limit): the client
+    /// is told with this status.
+    error: Option<Status>,
     last_accepted: Option<u64>,
     messages: u64,
     rejected: u64,
@@ -132,6 +135,7 @@ impl Dataplane for DataplaneService {
             let mut last_accepted = None;
             let (mut messages, mut rejected_count) = (0u64, 0u64);
             let mut half_closed = false;
+            let mut error = None;
             loop {
                 match inbound.message().await {
                     Ok(Some(msg)) => {
@@ -170,6 +174,7 @@ impl Dataplane for DataplaneService {
                     }
                     Err(e) => {
                         info!(session, error = %e, "feeder stream ended with an error");
+                        error = Some(e);
                         break;
                     }
                 }
@@ -177,6 +182,7 @@ impl Dataplane for DataplaneService {
             // Every rejection is queued before this, so the writer sends them
             // all before Received.
             let _ = done_tx.send(Some(ReadSummary {
+                error,
                 last_accepted,
                 messages,
                 rejected: rejected_count,
@@ -212,12 +218,21 @@ impl Dataplane for DataplaneService {
                         sent = seq;
                     }
                     changed = done_rx.changed(), if finished.is_none() => {
-                        let summary = if changed.is_err() { None } else { *done_rx.borrow() };
+                        let summary = if changed.is_err() { None } else { done_rx.borrow().clone() };
                         let Some(summary) = summary else {
                             finished = Some(None);
                             continue;
                         };
                         finished = Some(summary.last_accepted);
+                        if let Some(status) = summary.error {
+                            // What was accepted before stays; the client
+                            // learns why its stream ended.
+                            while let Ok(r) = rej_rx.try_recv() {
+                                if out_tx.send(Ok(rejected(r))).await.is_err() { break; }
+                            }
+                            let _ = out_tx.send(Err(status)).await;
+                            break;
+                        }
                         if summary.half_closed {
                             let mut broken = false;
                             while let Ok(r) = rej_rx.try_recv() {

@@ -5,4 +5,5 @@
 
 pub mod connector;
 pub mod grpc;
+pub mod limits;
 pub mod listen;

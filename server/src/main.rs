@@ -2,14 +2,19 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use dphandler_dataplane::backends::DesiredKernel;
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::v1::dataplane_server::DataplaneServer;
+use dphandler_server::limits;
 use dphandler_server::{connector, grpc::DataplaneService, listen};
 use tokio_stream::wrappers::UnixListenerStream;
-use tracing::info;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tower_governor::GovernorLayer;
+use tracing::{info, warn};
 
 mod demo;
 
@@ -49,15 +54,68 @@ struct ServeArgs {
         default_value = "/run/dphandler/dataplane.sock"
     )]
     socket: PathBuf,
+    /// Also listen on TCP at this address (e.g. `0.0.0.0:50051`). Requires
+    /// --tls-cert, --tls-key and --tls-ca (clients must present a certificate
+    /// signed by that CA) unless --insecure-tcp.
+    #[arg(long, env = "DPH_TCP")]
+    tcp: Option<std::net::SocketAddr>,
+    /// Server certificate (PEM) for the TCP listener.
+    #[arg(long, env = "DPH_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// Key (PEM) of the server certificate.
+    #[arg(long, env = "DPH_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// CA bundle (PEM) that client certificates must chain to.
+    #[arg(long, env = "DPH_TLS_CA")]
+    tls_ca: Option<PathBuf>,
+    /// Serve TCP without TLS or client authentication. Anyone who can reach
+    /// the port can then rewrite this node's dataplane: only for tests.
+    #[arg(long, env = "DPH_INSECURE_TCP")]
+    insecure_tcp: bool,
     /// Largest message accepted, in bytes.
     #[arg(long, env = "DPH_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
     max_message_bytes: usize,
     /// Concurrent HTTP/2 streams per connection.
     #[arg(long, env = "DPH_MAX_CONCURRENT_STREAMS", default_value_t = 64)]
     max_concurrent_streams: u32,
+    /// gRPC calls per second allowed to each peer (IP on TCP, uid on the
+    /// unix socket); a stream counts once however many messages it carries.
+    #[arg(long, env = "DPH_RATE_LIMIT_PER_SECOND", default_value_t = 20.0)]
+    rate_limit_per_second: f64,
+    /// Calls a peer may make in a burst before the rate applies.
+    #[arg(long, env = "DPH_RATE_LIMIT_BURST", default_value_t = 100)]
+    rate_limit_burst: u32,
     /// Seconds open streams get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "DPH_SHUTDOWN_GRACE_SECONDS", default_value_t = 2.0)]
     shutdown_grace_seconds: f64,
+}
+
+impl ServeArgs {
+    /// The TCP listener's TLS settings: `Ok(None)` for --insecure-tcp.
+    fn tcp_tls(&self) -> anyhow::Result<Option<ServerTlsConfig>> {
+        let read =
+            |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        match (
+            &self.tls_cert,
+            &self.tls_key,
+            &self.tls_ca,
+            self.insecure_tcp,
+        ) {
+            (Some(cert), Some(key), Some(ca), false) => Ok(Some(
+                ServerTlsConfig::new()
+                    .identity(Identity::from_pem(read(cert)?, read(key)?))
+                    .client_ca_root(Certificate::from_pem(read(ca)?))
+                    .client_auth_optional(false),
+            )),
+            (None, None, None, true) => Ok(None),
+            (_, _, _, true) => bail!("--insecure-tcp and --tls-* exclude each other"),
+            (None, None, None, false) => bail!(
+                "refusing to listen on TCP without TLS: give --tls-cert, --tls-key and \
+                 --tls-ca (client certificates are required), or --insecure-tcp for a test setup"
+            ),
+            _ => bail!("--tls-cert, --tls-key and --tls-ca go together"),
+        }
+    }
 }
 
 #[tokio::main]
@@ -96,6 +154,15 @@ async fn shutdown_signal() {
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let grace = std::time::Duration::try_from_secs_f64(args.shutdown_grace_seconds)
         .context("--shutdown-grace-seconds must be a non-negative number")?;
+    // Check every setting before binding anything.
+    let tcp_tls = match args.tcp {
+        Some(_) => Some(args.tcp_tls()?),
+        None => None,
+    };
+    let governor = Arc::new(
+        limits::governor_config(args.rate_limit_per_second, args.rate_limit_burst)
+            .context("--rate-limit-per-second / --rate-limit-burst")?,
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let loop_stop = {
         let mut rx = stop_rx.clone();
@@ -104,6 +171,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let listener = listen::bind_unix(&args.socket).await?;
+    let tcp_listener = match args.tcp {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding TCP {addr}"))?,
+        ),
+        None => None,
+    };
     let (conn, loop_task) =
         connector::start(LoopConfig::default(), DesiredKernel::default(), loop_stop);
     info!(socket = %args.socket.display(), "listening");
@@ -117,25 +192,64 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    let svc = DataplaneServer::new(DataplaneService::new(conn))
+    let svc = DataplaneServer::from_arc(Arc::new(DataplaneService::new(conn)))
         .max_decoding_message_size(args.max_message_bytes)
         .max_encoding_message_size(args.max_message_bytes);
 
-    let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
-    let server = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(args.max_concurrent_streams))
-        .add_service(health_svc)
-        .add_service(reflection)
-        .add_service(svc)
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-            shutdown_signal().await;
-            let _ = signalled_tx.send(true);
-        });
+    // Both listeners stop on the first SIGTERM/SIGINT.
+    let (signalled_tx, signalled) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signalled_tx.send(true);
+    });
+    let stopping = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let builder = || {
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(args.max_concurrent_streams))
+            .layer(GovernorLayer::new(governor.clone()))
+    };
+    let unix = builder()
+        .add_service(health_svc.clone())
+        .add_service(reflection.clone())
+        .add_service(svc.clone())
+        .serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener),
+            stopping(signalled.clone()),
+        );
+    let tcp = async {
+        let (Some(l), Some(tls)) = (tcp_listener, tcp_tls) else {
+            return Ok(());
+        };
+        let addr = l.local_addr()?;
+        let mut b = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            b = b.tls_config(tls).context("TLS settings")?;
+            info!(%addr, "listening on TCP (TLS, client certificates required)");
+        } else {
+            warn!(%addr, "listening on TCP WITHOUT TLS (--insecure-tcp): anyone who reaches it controls this dataplane");
+        }
+        b.max_concurrent_streams(Some(args.max_concurrent_streams))
+            .layer(GovernorLayer::new(governor.clone()))
+            .add_service(health_svc.clone())
+            .add_service(reflection.clone())
+            .add_service(svc.clone())
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true)),
+                stopping(signalled.clone()),
+            )
+            .await
+            .context("gRPC server (TCP)")
+    };
+    let servers =
+        async { tokio::try_join!(async { unix.await.context("gRPC server (unix)") }, tcp) };
     // Streams get a grace period to end cleanly; then we stop anyway.
+    let mut grace_rx = signalled.clone();
     tokio::select! {
-        r = server => r.context("gRPC server")?,
+        r = servers => { r?; }
         () = async {
-            let _ = signalled.wait_for(|s| *s).await;
+            let _ = grace_rx.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;
         } => info!(?grace, "streams still open after the grace period; stopping"),
     }
