@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system packages dphandler's demo and tests need, when missing
-# (Debian/Ubuntu, as root). Sourced by demo.sh and .ci/run.
+# (Debian/Ubuntu, as root). Run from the project root by demo.sh and .ci/run.
 set -euo pipefail
 need=()
 for tool in ip:iproute2 iptables:iptables ipset:ipset nft:nftables ping:iputils-ping openssl:openssl setpriv:util-linux; do
@@ -14,4 +14,15 @@ fi
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo is missing: install a Rust toolchain (1.95 or newer, e.g. with rustup) and run this again" >&2
   exit 1
+fi
+
+# buf (for the independent-client tests: `buf curl` over server reflection),
+# from the npm package that ships its binary; kept in .tools/, pinned.
+if [ "${DPH_SKIP_BUF:-}" != 1 ] && [ ! -x .tools/node_modules/.bin/buf ]; then
+  if ! command -v npm >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends nodejs npm
+  fi
+  npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
 fi

@@ -51,6 +51,13 @@ pub enum Feed {
         seq: u64,
         update: Update,
     },
+    /// Several messages of one session, in order: what the stream had
+    /// already decoded, sent as one item so that a fast feeder costs one
+    /// wake-up per batch rather than per message.
+    Messages {
+        session: SessionId,
+        messages: Vec<(u64, Update)>,
+    },
     Close {
         session: SessionId,
     },
@@ -238,9 +245,12 @@ impl SyncLoop {
                 msg = ch.feed.recv() => {
                     let Some(msg) = msg else { break };
                     self.on_feed(msg);
-                    for _ in 0..cfg.drain_max {
+                    // Drain up to drain_max more messages (a batch counts
+                    // as its length) before looking at applying.
+                    let mut drained = 0;
+                    while drained < cfg.drain_max {
                         match ch.feed.try_recv() {
-                            Ok(m) => self.on_feed(m),
+                            Ok(m) => drained += self.on_feed(m),
                             Err(_) => break,
                         }
                     }
@@ -294,7 +304,9 @@ impl SyncLoop {
         self.dirty = true;
     }
 
-    fn on_feed(&mut self, feed: Feed) {
+    /// Handles one feed item; returns how many messages it carried.
+    fn on_feed(&mut self, feed: Feed) -> usize {
+        let mut n = 1;
         match feed {
             Feed::Open {
                 session,
@@ -320,8 +332,15 @@ impl SyncLoop {
                 seq,
                 update,
             } => self.on_message(session, seq, update),
+            Feed::Messages { session, messages } => {
+                n = messages.len();
+                for (seq, update) in messages {
+                    self.on_message(session, seq, update);
+                }
+            }
         }
         self.status.feeders = u32::try_from(self.sessions.len()).unwrap_or(u32::MAX);
+        n
     }
 
     fn on_message(&mut self, session: SessionId, seq: u64, mut update: Update) {

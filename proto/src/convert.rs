@@ -48,6 +48,12 @@ fn at<T>(r: Valid<T>, field: &str) -> Valid<T> {
     r.map_err(|e| e.within(field))
 }
 
+/// [`at`] for the `i`-th element of a list; the path is only formatted when
+/// there is an error (this is the hot path of every message).
+fn at_index<T>(r: Valid<T>, field: &str, i: usize) -> Valid<T> {
+    r.map_err(|e| e.within(&format!("{field}[{i}]")))
+}
+
 fn id(s: &str, field: &str) -> Valid<Id> {
     at(Id::new(s), field)
 }
@@ -362,12 +368,17 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                         .iter()
                         .enumerate()
                         .map(|(i, p)| {
-                            let f = format!("ports[{i}]");
-                            let proto = at(Protocol::from_name(&p.protocol), &f)?;
-                            let port = at(PortRange::new(p.port, 0), &format!("{f}.Port"))?.first;
-                            let node =
-                                at(PortRange::new(p.node_port, 0), &format!("{f}.NodePort"))?.first;
-                            Ok((proto, port, node))
+                            at_index(
+                                (|| {
+                                    let proto = Protocol::from_name(&p.protocol)?;
+                                    let port = at(PortRange::new(p.port, 0), "Port")?.first;
+                                    let node =
+                                        at(PortRange::new(p.node_port, 0), "NodePort")?.first;
+                                    Ok((proto, port, node))
+                                })(),
+                                "ports",
+                                i,
+                            )
                         })
                         .collect::<Valid<_>>()?,
                 }))
@@ -474,7 +485,7 @@ fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
     ts.iter()
         .enumerate()
         .map(|(i, t)| {
-            at(
+            at_index(
                 (|| {
                     Ok(TierInfo {
                         name: id(&t.name, "name")?,
@@ -486,7 +497,8 @@ fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
                         )?,
                     })
                 })(),
-                &format!("{field}[{i}]"),
+                field,
+                i,
             )
         })
         .collect()
@@ -495,7 +507,7 @@ fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
 fn policy_ids(ps: &[felix::PolicyId], field: &str) -> Valid<Vec<PolicyId>> {
     ps.iter()
         .enumerate()
-        .map(|(i, p)| at(policy_id(p), &format!("{field}[{i}]")))
+        .map(|(i, p)| at_index(policy_id(p), field, i))
         .collect()
 }
 
@@ -506,11 +518,16 @@ fn workload_endpoint(u: &felix::WorkloadEndpointUpdate) -> Valid<Update> {
         ns.iter()
             .enumerate()
             .map(|(i, n)| {
-                let f = format!("{field}[{i}]");
-                Ok((
-                    at(parse_ip(&n.ext_ip), &format!("{f}.ext_ip"))?,
-                    at(parse_ip(&n.int_ip), &format!("{f}.int_ip"))?,
-                ))
+                at_index(
+                    (|| {
+                        Ok((
+                            at(parse_ip(&n.ext_ip), "ext_ip")?,
+                            at(parse_ip(&n.int_ip), "int_ip")?,
+                        ))
+                    })(),
+                    field,
+                    i,
+                )
             })
             .collect()
     };
@@ -576,7 +593,7 @@ fn host_endpoint(u: &felix::HostEndpointUpdate) -> Valid<Update> {
 fn rules(rs: &[felix::Rule], field: &str) -> Valid<Vec<Rule>> {
     rs.iter()
         .enumerate()
-        .map(|(i, r)| at(rule(r), &format!("{field}[{i}]")))
+        .map(|(i, r)| at_index(rule(r), field, i))
         .collect()
 }
 
@@ -597,7 +614,7 @@ fn protocol(p: &Option<felix::Protocol>, field: &str) -> Valid<Option<Protocol>>
 fn ports(ps: &[felix::PortRange], field: &str) -> Valid<Vec<PortRange>> {
     ps.iter()
         .enumerate()
-        .map(|(i, p)| at(PortRange::new(p.first, p.last), &format!("{field}[{i}]")))
+        .map(|(i, p)| at_index(PortRange::new(p.first, p.last), field, i))
         .collect()
 }
 

@@ -6,16 +6,20 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use dphandler_dataplane::model::Update;
 use dphandler_dataplane::sync_loop::{Feed, Rejection, StatusEvent};
 use dphandler_proto::felix::{self, from_dataplane};
 use dphandler_proto::v1::{self, dataplane_server::Dataplane};
-use futures::Stream;
+use futures::{FutureExt, Stream};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::connector::Connector;
+
+/// Most messages one feed item carries.
+const BATCH: usize = 64;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -127,8 +131,7 @@ impl Dataplane for DataplaneService {
         .map_err(|_| Status::unavailable("the dataplane is shutting down"))?;
         info!(session, "feeder connected");
 
-        // Reader: validate, convert, enqueue. Waiting on a full feed channel
-        // is the back-pressure.
+        // Reader: validate, convert, enqueue.
         let (done_tx, mut done_rx) = watch::channel::<Option<ReadSummary>>(None);
         let reader_feed = feed.clone();
         tokio::spawn(async move {
@@ -136,45 +139,56 @@ impl Dataplane for DataplaneService {
             let (mut messages, mut rejected_count) = (0u64, 0u64);
             let mut half_closed = false;
             let mut error = None;
-            loop {
-                match inbound.message().await {
-                    Ok(Some(msg)) => {
-                        messages += 1;
-                        let seq = msg.sequence_number;
-                        match dphandler_proto::convert::to_update(msg) {
-                            Ok(Some(update)) => {
-                                if reader_feed
-                                    .send(Feed::Message {
-                                        session,
-                                        seq,
-                                        update,
-                                    })
-                                    .await
-                                    .is_err()
-                                {
-                                    break;
+            let mut batch: Vec<(u64, Update)> = Vec::with_capacity(BATCH);
+            let mut ended = false;
+            while !ended {
+                // Wait for one message, then take those already decoded
+                // (up to BATCH) without waiting: one feed item per batch.
+                let mut next = Some(inbound.message().await);
+                while let Some(item) = next.take() {
+                    match item {
+                        Ok(Some(msg)) => {
+                            messages += 1;
+                            let seq = msg.sequence_number;
+                            match dphandler_proto::convert::to_update(msg) {
+                                Ok(Some(update)) => {
+                                    batch.push((seq, update));
+                                    last_accepted = Some(seq);
                                 }
-                                last_accepted = Some(seq);
-                            }
-                            Ok(None) => {}
-                            Err(r) => {
-                                rejected_count += 1;
-                                warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
-                                let _ = rej_tx.send(Rejection {
-                                    sequence_number: seq,
-                                    field: r.error.field,
-                                    reason: r.error.reason,
-                                });
+                                Ok(None) => {}
+                                Err(r) => {
+                                    rejected_count += 1;
+                                    warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
+                                    let _ = rej_tx.send(Rejection {
+                                        sequence_number: seq,
+                                        field: r.error.field,
+                                        reason: r.error.reason,
+                                    });
+                                }
                             }
                         }
+                        Ok(None) => {
+                            half_closed = true;
+                            ended = true;
+                        }
+                        Err(e) => {
+                            info!(session, error = %e, "feeder stream ended with an error");
+                            error = Some(e);
+                            ended = true;
+                        }
                     }
-                    Ok(None) => {
-                        half_closed = true;
-                        break;
+                    if !ended && batch.len() < BATCH {
+                        next = inbound.message().now_or_never();
                     }
-                    Err(e) => {
-                        info!(session, error = %e, "feeder stream ended with an error");
-                        error = Some(e);
+                }
+                if !batch.is_empty() {
+                    let messages = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                    // Waiting here on a full feed channel is the back-pressure.
+                    if reader_feed
+                        .send(Feed::Messages { session, messages })
+                        .await
+                        .is_err()
+                    {
                         break;
                     }
                 }

@@ -34,26 +34,29 @@ pub fn privileged() -> bool {
     false
 }
 
-/// Path of one of the workspace's binaries (`dphandler`, `dphctl`).
+/// Path of one of the workspace's binaries (`dphandler`, `dphctl`), built in
+/// the same profile as the caller.
 pub fn bin(name: &str) -> PathBuf {
-    let dir = match std::env::var_os("DPH_TEST_BIN_DIR") {
-        Some(d) => PathBuf::from(d),
+    let dirs: Vec<PathBuf> = match std::env::var_os("DPH_TEST_BIN_DIR") {
+        Some(d) => vec![PathBuf::from(d)],
         None => {
-            let exe = std::env::current_exe().expect("the test knows its own path");
-            // target/<profile>/deps/<test> -> target/<profile>
-            exe.parent()
-                .and_then(Path::parent)
-                .expect("the test runs from target/<profile>/deps")
-                .to_path_buf()
+            // A test runs from target/<profile>/deps/, a benchmark program
+            // from target/<profile>/.
+            let exe = std::env::current_exe().expect("we know our own path");
+            let dir = exe.parent().expect("an executable is in a directory");
+            [Some(dir), dir.parent()]
+                .into_iter()
+                .flatten()
+                .map(Path::to_path_buf)
+                .collect()
         }
     };
-    let p = dir.join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build --workspace --bins` first",
-        p.display()
-    );
-    p
+    dirs.iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("{name} is not in {dirs:?}: run `cargo build --workspace --bins` first")
+        })
 }
 
 /// A network namespace of the test's own, deleted on drop.

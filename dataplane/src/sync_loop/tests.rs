@@ -207,6 +207,29 @@ async fn drain_handles_queued_messages_in_one_wake() {
 }
 
 #[tokio::test]
+async fn a_batch_is_handled_in_order() {
+    let mut h = start(fast_config()).await;
+    // A later set of the same id replaces the earlier one: order matters.
+    let mut messages: Vec<(u64, Update)> = (0..300)
+        .map(|i| (i + 1, set(&format!("s{}", i % 100))))
+        .collect();
+    messages.push((301, Update::Remove(Key::IpSet(Id::new("s0").unwrap()))));
+    messages.push((302, Update::InSync));
+    h.feed
+        .send(Feed::Messages {
+            session: 1,
+            messages,
+        })
+        .await
+        .unwrap();
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    assert_eq!(st.objects.get("ipset"), Some(&99));
+    assert_eq!(*h.programmed.borrow(), 302);
+    assert_eq!(st.last_programmed, 302);
+}
+
+#[tokio::test]
 async fn failing_backend_is_retried_and_in_sync_waits_for_success() {
     let mut h = start(fast_config()).await;
     h.backend.lock().fail_on = vec![1, 2];
