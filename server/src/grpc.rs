@@ -325,3 +325,113 @@ impl Dataplane for DataplaneService {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dphandler_dataplane::sync_loop::Status as LoopStatus;
+    use futures::StreamExt;
+
+    fn service(events: usize) -> (DataplaneService, broadcast::Sender<StatusEvent>) {
+        let (feed, _feed_rx) = mpsc::channel(16);
+        let (ev_tx, _) = broadcast::channel(events);
+        let (_st_tx, st_rx) = watch::channel(LoopStatus::default());
+        // The feed receiver and status sender may drop: these tests only use
+        // the status fan-out.
+        let conn = Connector {
+            feed,
+            events: ev_tx.clone(),
+            status: st_rx,
+        };
+        (DataplaneService::new(conn), ev_tx)
+    }
+
+    fn heartbeat(i: u64) -> StatusEvent {
+        StatusEvent::ProcessStatus {
+            iso_timestamp: format!("t{i}"),
+            uptime: i as f64,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_slow_watcher_lags_and_is_told_how_much_it_missed() {
+        let (svc, events) = service(16);
+        let mut slow = svc
+            .status_updates(Request::new(v1::StatusUpdatesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        // The loop's side: 10,000 events while the watcher reads nothing.
+        // broadcast::send never waits, so this finishes at once.
+        let sent = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+            for i in 0..10_000 {
+                events.send(heartbeat(i)).unwrap();
+                if i % 100 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        })
+        .await;
+        assert!(sent.is_ok(), "the sender was blocked by a slow watcher");
+        let mut delivered = 0u64;
+        let mut missed = 0u64;
+        let mut last = None;
+        while delivered + missed < 10_000 {
+            let item = tokio::time::timeout(std::time::Duration::from_secs(2), slow.next())
+                .await
+                .expect("the watcher's stream goes on")
+                .unwrap()
+                .unwrap();
+            match item.kind {
+                Some(v1::status_update::Kind::Lagged(l)) => missed += l.missed,
+                Some(v1::status_update::Kind::Update(u)) => {
+                    delivered += 1;
+                    last = Some(u);
+                }
+                None => panic!("empty update"),
+            }
+        }
+        assert!(missed > 0, "no Lagged although the watcher fell behind");
+        assert_eq!(
+            delivered + missed,
+            10_000,
+            "every event is delivered or counted"
+        );
+        // The newest event is never lost.
+        assert_eq!(
+            last.unwrap().payload,
+            Some(from_dataplane::Payload::ProcessStatusUpdate(
+                felix::ProcessStatusUpdate {
+                    iso_timestamp: "t9999".into(),
+                    uptime: 9999.0
+                }
+            ))
+        );
+    }
+
+    #[tokio::test]
+    async fn watchers_fan_out_independently() {
+        let (svc, events) = service(1024);
+        let mut a = svc
+            .status_updates(Request::new(v1::StatusUpdatesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut b = svc
+            .status_updates(Request::new(v1::StatusUpdatesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        events.send(StatusEvent::DataplaneInSync).unwrap();
+        for s in [&mut a, &mut b] {
+            let item = s.next().await.unwrap().unwrap();
+            assert!(matches!(
+                item.kind,
+                Some(v1::status_update::Kind::Update(felix::FromDataplane {
+                    payload: Some(from_dataplane::Payload::DataplaneInSync(_)),
+                    ..
+                }))
+            ));
+        }
+    }
+}

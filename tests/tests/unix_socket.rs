@@ -157,3 +157,71 @@ async fn live_socket_is_refused_and_stale_one_replaced() -> Result<()> {
     client.get_status(v1::GetStatusRequest {}).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn sigterm_ends_open_streams_and_leaves_the_kernel_alone() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let socket = dir.path().join("dp.sock");
+    let ns = Netns::new("term")?;
+    // Kernel state that must survive the daemon's stop.
+    ns.run(
+        "ip",
+        &[
+            "link", "add", "keep0", "type", "veth", "peer", "name", "keep1",
+        ],
+    )?;
+    ns.run("iptables", &["-w", "-N", "KEEP-ME"])?;
+    let d = Daemon::start(&ns, &socket, &["--shutdown-grace-seconds", "1"])?;
+    let mut client = d.connect().await?;
+    let mut watch = client
+        .status_updates(v1::StatusUpdatesRequest {})
+        .await?
+        .into_inner();
+    // A feeder that never half-closes: its snapshot is programmed, and the
+    // stream stays open.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(msg(1, ipset("s:a", &["10.0.0.1"]))).await?;
+    tx.send(msg(2, Payload::InSync(felix::InSync {}))).await?;
+    let mut replies = client
+        .to_dataplane(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    loop {
+        let r = tokio::time::timeout(Duration::from_secs(10), replies.message())
+            .await??
+            .expect("the stream stays open");
+        if matches!(r.kind, Some(v1::to_dataplane_reply::Kind::Programmed(p)) if p.sequence_number == 2)
+        {
+            break;
+        }
+    }
+
+    let started = std::time::Instant::now();
+    let status = d.stop()?;
+    assert!(status.success(), "exit status {status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopping took {:?}",
+        started.elapsed()
+    );
+    // Both streams are over (cleanly or with a transport error), not hanging.
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(_)) = watch.message().await {}
+        while let Ok(Some(_)) = replies.message().await {}
+    })
+    .await;
+    assert!(
+        end.is_ok(),
+        "a stream was still open after the server stopped"
+    );
+    drop(tx);
+    assert!(!socket.exists(), "the socket file is removed on stop");
+    // Nothing in the kernel was removed.
+    ns.run("ip", &["link", "show", "keep0"])?;
+    let save = ns.run("iptables-save", &[])?;
+    assert!(String::from_utf8_lossy(&save.stdout).contains(":KEEP-ME"));
+    Ok(())
+}
