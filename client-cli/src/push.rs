@@ -36,18 +36,6 @@ pub struct PushArgs {
     quiet: bool,
 }
 
-/// Gives messages without a sequence number (0) the one after the previous
-/// message's.
-fn number(msgs: &mut [felix::ToDataplane]) {
-    let mut next = 1;
-    for m in msgs {
-        if m.sequence_number == 0 {
-            m.sequence_number = next;
-        }
-        next = m.sequence_number + 1;
-    }
-}
-
 fn read_input(file: &PathBuf) -> anyhow::Result<String> {
     if file.as_os_str() == "-" {
         let mut s = String::new();
@@ -75,7 +63,7 @@ pub async fn run(conn: &ConnArgs, args: PushArgs) -> anyhow::Result<ExitCode> {
     if msgs.is_empty() {
         bail!("{} holds no messages", args.file.display());
     }
-    number(&mut msgs);
+    dphandler_proto::text::number(&mut msgs);
     let in_sync_seqs: Vec<u64> = msgs
         .iter()
         .filter(|m| matches!(m.payload, Some(Payload::InSync(_))))
@@ -192,25 +180,5 @@ fn report_rejections(rejections: &[v1::Rejection]) {
             "rejected: sequence {}: {}: {}",
             r.sequence_number, r.field, r.reason
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn m(seq: u64) -> felix::ToDataplane {
-        felix::ToDataplane {
-            sequence_number: seq,
-            payload: Some(Payload::InSync(felix::InSync {})),
-        }
-    }
-
-    #[test]
-    fn numbers_follow_the_previous_message() {
-        let mut v = vec![m(0), m(0), m(10), m(0), m(3), m(0)];
-        number(&mut v);
-        let seqs: Vec<u64> = v.iter().map(|m| m.sequence_number).collect();
-        assert_eq!(seqs, [1, 2, 10, 11, 3, 4]);
     }
 }

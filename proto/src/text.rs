@@ -101,6 +101,18 @@ pub fn parse_to_dataplane(input: &str) -> Result<Vec<felix::ToDataplane>, TextEr
         .collect()
 }
 
+/// Gives each message without a sequence number (0) the one after the
+/// previous message's, so a hand-written file needs none.
+pub fn number(msgs: &mut [felix::ToDataplane]) {
+    let mut next = 1;
+    for m in msgs {
+        if m.sequence_number == 0 {
+            m.sequence_number = next;
+        }
+        next = m.sequence_number + 1;
+    }
+}
+
 /// Renders a message of ours (`full_name` is its protobuf name, e.g.
 /// `felix.FromDataplane`) as one line of canonical JSON. Fields at their
 /// default value are left out, as the mapping does.
@@ -187,6 +199,18 @@ mod tests {
         assert!(matches!(e, TextError::Json { .. }), "{e}");
         let e = parse_to_dataplane("a: [\n").unwrap_err();
         assert!(matches!(e, TextError::Yaml { .. }), "{e}");
+    }
+
+    #[test]
+    fn numbers_follow_the_previous_message() {
+        let m = |seq| felix::ToDataplane {
+            sequence_number: seq,
+            payload: Some(Payload::InSync(felix::InSync {})),
+        };
+        let mut v = vec![m(0), m(0), m(10), m(0), m(3), m(0)];
+        number(&mut v);
+        let seqs: Vec<u64> = v.iter().map(|m| m.sequence_number).collect();
+        assert_eq!(seqs, [1, 2, 10, 11, 3, 4]);
     }
 
     #[test]

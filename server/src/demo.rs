@@ -58,16 +58,6 @@ impl Drop for Server {
     }
 }
 
-fn number(msgs: &mut [felix::ToDataplane]) {
-    let mut next = 1;
-    for m in msgs {
-        if m.sequence_number == 0 {
-            m.sequence_number = next;
-        }
-        next = m.sequence_number + 1;
-    }
-}
-
 pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     let timeout = Duration::try_from_secs_f64(args.timeout)
         .context("--timeout must be a non-negative number of seconds")?;
@@ -83,7 +73,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     };
     let mut msgs =
         dphandler_proto::text::parse_to_dataplane(&text).with_context(|| format!("in {name}"))?;
-    number(&mut msgs);
+    dphandler_proto::text::number(&mut msgs);
     let total = msgs.len();
     if !msgs
         .iter()
@@ -228,7 +218,7 @@ mod tests {
     #[test]
     fn bundled_scenario_parses_and_ends_in_sync() {
         let mut msgs = dphandler_proto::text::parse_to_dataplane(SCENARIO).unwrap();
-        number(&mut msgs);
+        dphandler_proto::text::number(&mut msgs);
         assert_eq!(msgs.len(), 11);
         assert!(matches!(
             msgs.last().unwrap().payload,
