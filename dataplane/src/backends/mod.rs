@@ -7,6 +7,7 @@
 //! or speak netlink on their own socket); the loop runs them off the async
 //! runtime, concurrently within a phase.
 
+pub mod ipsets;
 pub mod recording;
 
 use std::time::Duration;
@@ -68,6 +69,13 @@ pub enum BackendError {
         #[source]
         source: std::io::Error,
     },
+    /// A kernel tool printed something we cannot read. Retried (with a
+    /// fresh read).
+    #[error("{backend}: cannot read the kernel's state: {reason}")]
+    Parse {
+        backend: &'static str,
+        reason: String,
+    },
     /// A failure scripted by a recording backend (tests only).
     #[error("{backend}: scripted failure on call {call}")]
     Scripted { backend: &'static str, call: usize },
@@ -87,21 +95,27 @@ impl BackendError {
 /// One kernel object the loop drives.
 pub trait Backend: Send {
     fn name(&self) -> &'static str;
-    fn phase(&self) -> Phase;
-    /// Desired and observed state differ (or a resync is pending).
-    fn is_dirty(&self) -> bool;
+    /// The phases this backend works in (IP sets: updates early, deletions
+    /// last); `apply` is called once per dirty phase.
+    fn phases(&self) -> &'static [Phase];
+    /// Desired and observed state differ in `phase` (or a resync is pending).
+    fn is_dirty(&self, phase: Phase) -> bool;
     /// A refresh timer fired: re-read the kernel at the next apply if this
     /// backend cares about `refresh`.
     fn request_resync(&mut self, refresh: Refresh);
-    /// Bring the kernel to the desired state. Blocking I/O is allowed.
-    fn apply(&mut self) -> Result<ApplyOutcome, BackendError>;
+    /// Bring the kernel to the desired state for `phase`. Blocking I/O is
+    /// allowed.
+    fn apply(&mut self, phase: Phase) -> Result<ApplyOutcome, BackendError>;
 }
 
 /// All backend objects, filled by the managers during
-/// `complete_deferred_work`. Subsystems add their typed objects here; the
-/// loop drives every one through [`DesiredKernel::backends_mut`].
+/// `complete_deferred_work`. Subsystems have typed slots, so their managers
+/// reach them directly; the loop drives every one through
+/// [`DesiredKernel::backends_mut`].
 #[derive(Default)]
 pub struct DesiredKernel {
+    /// The IP sets of each family the dataplane programs (v4, then v6).
+    pub ipsets: Vec<ipsets::IpSets>,
     /// Backends without a typed slot (and the recording ones in tests).
     pub others: Vec<Box<dyn Backend>>,
 }
@@ -110,24 +124,33 @@ impl std::fmt::Debug for DesiredKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DesiredKernel")
             .field(
-                "others",
-                &self.others.iter().map(|b| b.name()).collect::<Vec<_>>(),
+                "backends",
+                &self
+                    .ipsets
+                    .iter()
+                    .map(|b| b.name())
+                    .chain(self.others.iter().map(|b| b.name()))
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
 }
 
 impl DesiredKernel {
-    pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn Backend>> {
-        self.others.iter_mut()
+    pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut dyn Backend> {
+        self.ipsets
+            .iter_mut()
+            .map(|b| b as &mut dyn Backend)
+            .chain(self.others.iter_mut().map(|b| b.as_mut() as &mut dyn Backend))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.others.is_empty()
+        self.ipsets.is_empty() && self.others.is_empty()
     }
 
     pub fn any_dirty(&mut self) -> bool {
-        self.backends_mut().any(|b| b.is_dirty())
+        self.backends_mut()
+            .any(|b| b.phases().iter().any(|p| b.is_dirty(*p)))
     }
 
     pub fn request_resync(&mut self, refresh: Refresh) {
@@ -142,15 +165,18 @@ impl DesiredKernel {
     pub fn apply_all(&mut self) -> Result<ApplyOutcome, Vec<BackendError>> {
         let mut outcome = ApplyOutcome::default();
         for phase in Phase::ALL {
-            let mut group: Vec<&mut Box<dyn Backend>> = self
+            let mut group: Vec<&mut dyn Backend> = self
                 .backends_mut()
-                .filter(|b| b.phase() == phase && b.is_dirty())
+                .filter(|b| b.phases().contains(&phase) && b.is_dirty(phase))
                 .collect();
             let results: Vec<Result<ApplyOutcome, BackendError>> = match group.len() {
                 0 => continue,
-                1 => vec![group[0].apply()],
+                1 => vec![group[0].apply(phase)],
                 _ => std::thread::scope(|s| {
-                    let handles: Vec<_> = group.iter_mut().map(|b| s.spawn(|| b.apply())).collect();
+                    let handles: Vec<_> = group
+                        .iter_mut()
+                        .map(|b| s.spawn(move || b.apply(phase)))
+                        .collect();
                     handles
                         .into_iter()
                         .map(|h| h.join().expect("backend apply panicked"))

@@ -37,7 +37,7 @@ impl RecordingHandle {
 #[derive(Debug)]
 pub struct RecordingBackend {
     name: &'static str,
-    phase: Phase,
+    phase: &'static [Phase],
     pub handle: RecordingHandle,
 }
 
@@ -47,7 +47,12 @@ impl RecordingBackend {
         (
             Self {
                 name,
-                phase,
+                phase: match phase {
+                    Phase::IpSetUpdates => &[Phase::IpSetUpdates],
+                    Phase::RoutesAndRules => &[Phase::RoutesAndRules],
+                    Phase::Tables => &[Phase::Tables],
+                    Phase::IpSetDeletions => &[Phase::IpSetDeletions],
+                },
                 handle: handle.clone(),
             },
             handle,
@@ -59,10 +64,10 @@ impl Backend for RecordingBackend {
     fn name(&self) -> &'static str {
         self.name
     }
-    fn phase(&self) -> Phase {
+    fn phases(&self) -> &'static [Phase] {
         self.phase
     }
-    fn is_dirty(&self) -> bool {
+    fn is_dirty(&self, _phase: Phase) -> bool {
         let r = self.handle.lock();
         !r.queued.is_empty() || r.resync_pending
     }
@@ -71,7 +76,7 @@ impl Backend for RecordingBackend {
         r.resyncs.push(refresh);
         r.resync_pending = true;
     }
-    fn apply(&mut self) -> Result<ApplyOutcome, BackendError> {
+    fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
         let mut r = self.handle.lock();
         r.calls += 1;
         let call = r.calls;

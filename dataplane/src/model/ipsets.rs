@@ -158,9 +158,111 @@ impl Member {
     }
 }
 
+/// The longest IP set name the kernel accepts.
+pub const MAX_SET_NAME: usize = 31;
+
+/// How the dataplane names its IP sets: `<prefix>40<id>` (IPv4) and
+/// `<prefix>60<id>` (IPv6), as Felix does with `cali`; temporary sets for
+/// swaps are `<prefix>4t<n>` / `<prefix>6t<n>`. A name over 31 characters
+/// becomes `<prefix>40_` + base64url(sha256(id)) cut to fit (ids never
+/// contain `_`, so such names cannot collide with unhashed ones).
+/// Deterministic: the same id always gets the same name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetNames {
+    prefix: String,
+}
+
+impl SetNames {
+    /// `prefix` must be 1–10 ASCII letters or digits.
+    pub fn new(prefix: &str) -> Valid<Self> {
+        if prefix.is_empty()
+            || prefix.len() > 10
+            || !prefix.bytes().all(|b| b.is_ascii_alphanumeric())
+        {
+            return Err(ValidationError::new(
+                "prefix",
+                format!("{prefix:?}: the prefix must be 1-10 ASCII letters or digits"),
+            ));
+        }
+        Ok(Self {
+            prefix: prefix.to_string(),
+        })
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn tag(v: IpVersion) -> &'static str {
+        match v {
+            IpVersion::V4 => "40",
+            IpVersion::V6 => "60",
+        }
+    }
+
+    /// The kernel name of set `id` in family `v`.
+    pub fn name(&self, v: IpVersion, id: &Id) -> String {
+        use base64::Engine;
+        use sha2::Digest;
+        let head = format!("{}{}", self.prefix, Self::tag(v));
+        if head.len() + id.as_str().len() <= MAX_SET_NAME {
+            return head + id.as_str();
+        }
+        let digest = sha2::Sha256::digest(id.as_str().as_bytes());
+        let hash = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(digest);
+        let room = MAX_SET_NAME - head.len() - 1;
+        format!("{head}_{}", &hash[..room])
+    }
+
+    /// A temporary set of family `v`.
+    pub fn temp(&self, v: IpVersion, n: u64) -> String {
+        let t = match v {
+            IpVersion::V4 => "4t",
+            IpVersion::V6 => "6t",
+        };
+        format!("{}{t}{n}", self.prefix)
+    }
+
+    /// Whether `name` is one of ours in family `v` (a set or a temporary).
+    pub fn owns(&self, v: IpVersion, name: &str) -> bool {
+        let Some(rest) = name.strip_prefix(&self.prefix) else {
+            return false;
+        };
+        match v {
+            IpVersion::V4 => rest.starts_with("40") || rest.starts_with("4t"),
+            IpVersion::V6 => rest.starts_with("60") || rest.starts_with("6t"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn set_names() {
+        let n = SetNames::new("dph").unwrap();
+        let id = Id::new("s:abc").unwrap();
+        assert_eq!(n.name(IpVersion::V4, &id), "dph40s:abc");
+        assert_eq!(n.name(IpVersion::V6, &id), "dph60s:abc");
+        let long = Id::new("s:this-id-is-far-too-long-for-the-kernel").unwrap();
+        let name = n.name(IpVersion::V4, &long);
+        assert_eq!(name.len(), MAX_SET_NAME);
+        assert!(name.starts_with("dph40_"), "{name}");
+        assert_eq!(name, n.name(IpVersion::V4, &long), "deterministic");
+        assert_ne!(
+            name,
+            n.name(IpVersion::V4, &Id::new("s:this-id-is-far-too-long-for-the-kernel2").unwrap())
+        );
+        assert!(n.owns(IpVersion::V4, "dph40s:abc"));
+        assert!(n.owns(IpVersion::V4, &n.temp(IpVersion::V4, 3)));
+        assert!(!n.owns(IpVersion::V6, "dph40s:abc"));
+        assert!(!n.owns(IpVersion::V4, "dph-other"));
+        assert!(!n.owns(IpVersion::V4, "cali40s:abc"));
+        for bad in ["", "dph-x", "a b", "toolongprefix1"] {
+            assert!(SetNames::new(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn members_by_type() {

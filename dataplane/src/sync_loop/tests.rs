@@ -37,6 +37,7 @@ async fn start(cfg: LoopConfig) -> Harness {
     let (manager, seen) = RecordingManager::new(handle.clone());
     let kernel = DesiredKernel {
         others: vec![Box::new(backend)],
+        ..Default::default()
     };
     let lp = SyncLoop::new(cfg, vec![Box::new(manager)], kernel);
     let (feed_tx, feed_rx) = mpsc::channel(1000);

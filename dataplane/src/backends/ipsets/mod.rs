@@ -1,0 +1,423 @@
+//! IP sets, one backend object per IP family.
+//!
+//! Owns the kernel IP sets named `<prefix>40…`/`<prefix>4t…` (IPv4) or
+//! `<prefix>60…`/`<prefix>6t…` (IPv6) in the daemon's network namespace, and
+//! nothing else: other sets are never read into our state, written or
+//! destroyed.
+//!
+//! The object holds what the kernel has (read with `ipset save`, then kept
+//! up to date after each write) and the changes the manager queued. An apply
+//! writes one `ipset restore -exist` script with the minimal lines: `create`
+//! for new sets (with `hashsize` sized from the member count), `add`/`del`
+//! for the members that differ, and for a set whose type or `maxelem`
+//! changed a temporary set filled and `swap`ped in, so members never vanish
+//! mid-update. Set deletions run in their own, last phase, after the
+//! iptables tables stopped referencing the sets. A failed write drops what
+//! we believed about the kernel: the next apply re-reads it and the manager
+//! re-sends the whole desired state.
+
+pub mod restore;
+pub mod save;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use tracing::{debug, instrument};
+
+use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
+use crate::model::ipsets::{IpSetType, Member, SetNames};
+use crate::model::IpVersion;
+
+/// What a set is, apart from its members. `hashsize` is not part of it: the
+/// kernel grows a hash as needed, so a different one needs no rewrite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Meta {
+    pub set_type: IpSetType,
+    pub maxelem: u32,
+}
+
+/// The seam to the kernel: plain text in, plain text out.
+pub trait IpSetExec: Send + std::fmt::Debug {
+    /// `ipset save` (all sets; we keep only ours).
+    fn save(&mut self) -> Result<String, BackendError>;
+    /// `ipset restore -exist` with `script` on stdin.
+    fn restore(&mut self, script: &str) -> Result<(), BackendError>;
+}
+
+/// One of our sets as the kernel has it. `meta` is `None` for a set of a
+/// type we do not program (someone else made it under our name): it is
+/// replaced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelSet {
+    pub meta: Option<Meta>,
+    pub members: HashSet<Member>,
+}
+
+#[derive(Debug)]
+enum Pending {
+    /// The whole set, as it must be.
+    Replace(Meta, HashSet<Member>),
+    /// Changes to a set the kernel already has.
+    Delta {
+        add: HashSet<Member>,
+        del: HashSet<Member>,
+    },
+}
+
+/// The IP sets of one family.
+#[derive(Debug)]
+pub struct IpSets {
+    version: IpVersion,
+    names: SetNames,
+    exec: Box<dyn IpSetExec>,
+    /// Our sets as the kernel has them; `None` until read (or after a
+    /// failure or a refresh tick).
+    observed: Option<HashMap<String, KernelSet>>,
+    /// Names that must exist, with their metadata.
+    desired: HashMap<String, Meta>,
+    pending: BTreeMap<String, Pending>,
+    /// The manager must send every desired set again (at start, and after
+    /// a failure or a resync).
+    needs_full: bool,
+    temp_seq: u64,
+}
+
+/// `hashsize` for `n` members: the next power of two above `n`, at least
+/// 1024 (the kernel's default), so a big set is created at its size instead
+/// of being rehashed again and again while it fills.
+pub fn hashsize(n: usize) -> usize {
+    (n + 1).next_power_of_two().max(1024)
+}
+
+/// A member as `ipset save` prints it (a `hash:net` host entry has no
+/// `/32` or `/128`).
+pub fn member_text(m: &Member) -> String {
+    match m {
+        Member::Net(n) if n.prefix_len() == n.max_prefix_len() => n.addr().to_string(),
+        m => m.to_string(),
+    }
+}
+
+/// Whether the kernel can swap a set of type `a` with one of type `b`: only
+/// sets of the same type ("The sets cannot be swapped: their type does not
+/// match", even for `hash:ip` and `hash:net`; measured on 6.18).
+fn swappable(a: IpSetType, b: IpSetType) -> bool {
+    a == b
+}
+
+impl IpSets {
+    pub fn new(version: IpVersion, names: SetNames, exec: Box<dyn IpSetExec>) -> Self {
+        Self {
+            version,
+            names,
+            exec,
+            observed: None,
+            desired: HashMap::new(),
+            pending: BTreeMap::new(),
+            needs_full: true,
+            temp_seq: 0,
+        }
+    }
+
+    pub fn version(&self) -> IpVersion {
+        self.version
+    }
+
+    pub fn names(&self) -> &SetNames {
+        &self.names
+    }
+
+    /// The manager must call [`start_full`](Self::start_full) and then
+    /// [`replace`](Self::replace) every desired set.
+    pub fn needs_full(&self) -> bool {
+        self.needs_full
+    }
+
+    /// Forget the desired state; the manager sends all of it again.
+    pub fn start_full(&mut self) {
+        self.desired.clear();
+        self.pending.clear();
+        self.needs_full = false;
+    }
+
+    /// Set `name` must hold exactly `members`.
+    pub fn replace(&mut self, name: String, meta: Meta, members: HashSet<Member>) {
+        self.desired.insert(name.clone(), meta);
+        self.pending.insert(name, Pending::Replace(meta, members));
+    }
+
+    /// Members added to and removed from set `name` (which must have been
+    /// [`replace`](Self::replace)d before).
+    pub fn delta(
+        &mut self,
+        name: &str,
+        add: impl IntoIterator<Item = Member>,
+        del: impl IntoIterator<Item = Member>,
+    ) {
+        if !self.desired.contains_key(name) {
+            debug!(name, "delta for a set that is not desired; ignored");
+            return;
+        }
+        let p = self
+            .pending
+            .entry(name.to_string())
+            .or_insert_with(|| Pending::Delta {
+                add: HashSet::new(),
+                del: HashSet::new(),
+            });
+        match p {
+            Pending::Replace(_, members) => {
+                for m in del {
+                    members.remove(&m);
+                }
+                members.extend(add);
+            }
+            Pending::Delta { add: a, del: d } => {
+                for m in del {
+                    a.remove(&m);
+                    d.insert(m);
+                }
+                for m in add {
+                    d.remove(&m);
+                    a.insert(m);
+                }
+            }
+        }
+    }
+
+    /// Set `name` must go (in the deletions phase).
+    pub fn remove(&mut self, name: &str) {
+        self.desired.remove(name);
+        self.pending.remove(name);
+    }
+
+    /// Our sets as last read or written (for tests and status).
+    pub fn observed(&self) -> Option<&HashMap<String, KernelSet>> {
+        self.observed.as_ref()
+    }
+
+    fn read(&mut self) -> Result<(), BackendError> {
+        let text = self.exec.save()?;
+        let version = self.version;
+        let names = &self.names;
+        let sets = save::parse(&text, |name| names.owns(version, name)).map_err(|e| {
+            BackendError::Parse {
+                backend: self.name(),
+                reason: e,
+            }
+        })?;
+        debug!(sets = sets.len(), "read our IP sets");
+        self.observed = Some(sets);
+        Ok(())
+    }
+
+    fn family(&self) -> &'static str {
+        match self.version {
+            IpVersion::V4 => "inet",
+            IpVersion::V6 => "inet6",
+        }
+    }
+
+    fn create_line(&self, out: &mut String, name: &str, meta: Meta, n: usize) {
+        let _ = writeln!(
+            out,
+            "create {name} {} family {} hashsize {} maxelem {}",
+            meta.set_type.ipset_type(),
+            self.family(),
+            hashsize(n),
+            meta.maxelem
+        );
+    }
+
+    fn fail(&mut self, e: BackendError) -> BackendError {
+        // We no longer know what the kernel holds: read it again, and have
+        // the manager send everything again.
+        self.observed = None;
+        self.needs_full = true;
+        e
+    }
+
+    /// Creates, member changes and swaps; one `ipset restore`.
+    fn apply_updates(&mut self) -> Result<ApplyOutcome, BackendError> {
+        if self.observed.is_none() {
+            if let Err(e) = self.read() {
+                return Err(self.fail(e));
+            }
+        }
+        if self.needs_full {
+            // The manager has not re-sent the desired state yet; nothing
+            // to write until it has (the loop calls it before each apply).
+            return Ok(ApplyOutcome::default());
+        }
+        let observed = self.observed.as_ref().expect("read above");
+        let mut script = String::new();
+        let mut lost = false;
+        let mut after: Vec<(String, KernelSet)> = Vec::new();
+        let pending = std::mem::take(&mut self.pending);
+        for (name, p) in &pending {
+            match (p, observed.get(name)) {
+                (Pending::Replace(meta, members), None) => {
+                    self.create_line(&mut script, name, *meta, members.len());
+                    for m in members {
+                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                    }
+                }
+                (Pending::Replace(meta, members), Some(k)) if k.meta == Some(*meta) => {
+                    for m in k.members.difference(members) {
+                        let _ = writeln!(script, "del {name} {}", member_text(m));
+                    }
+                    for m in members.difference(&k.members) {
+                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                    }
+                }
+                (Pending::Replace(meta, members), Some(k)) => {
+                    let compatible = k.meta.is_some_and(|old| swappable(old.set_type, meta.set_type));
+                    if compatible {
+                        // Fill a temporary set and swap it in: the set's
+                        // name (and the rules using it) never see it empty.
+                        // A leftover temporary of an earlier run could have
+                        // this name: destroy first (a no-op under -exist).
+                        self.temp_seq += 1;
+                        let temp = self.names.temp(self.version, self.temp_seq);
+                        let _ = writeln!(script, "destroy {temp}");
+                        self.create_line(&mut script, &temp, *meta, members.len());
+                        for m in members {
+                            let _ = writeln!(script, "add {temp} {}", member_text(m));
+                        }
+                        let _ = writeln!(script, "swap {temp} {name}");
+                        let _ = writeln!(script, "destroy {temp}");
+                    } else {
+                        // The kernel cannot swap sets of different types:
+                        // replace it. This fails while a rule still uses the
+                        // set (the error says so) and is retried; the calc
+                        // graph changes a set's type only with a new id.
+                        let _ = writeln!(script, "destroy {name}");
+                        self.create_line(&mut script, name, *meta, members.len());
+                        for m in members {
+                            let _ = writeln!(script, "add {name} {}", member_text(m));
+                        }
+                    }
+                }
+                (Pending::Delta { add, del }, Some(k)) => {
+                    for m in del.intersection(&k.members) {
+                        let _ = writeln!(script, "del {name} {}", member_text(m));
+                    }
+                    for m in add.difference(&k.members) {
+                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                    }
+                }
+                (Pending::Delta { .. }, None) => lost = true,
+            }
+        }
+        if !script.is_empty() {
+            debug!(bytes = script.len(), sets = pending.len(), "ipset restore");
+            // -exist makes the script idempotent: a destroy of a temporary
+            // that is not there, an add that is already there.
+            if let Err(e) = self.exec.restore(&script) {
+                return Err(self.fail(e));
+            }
+        }
+        // The kernel now has what we wrote.
+        let observed = self.observed.as_mut().expect("read above");
+        for (name, p) in pending {
+            match p {
+                Pending::Replace(meta, members) => after.push((
+                    name,
+                    KernelSet {
+                        meta: Some(meta),
+                        members,
+                    },
+                )),
+                Pending::Delta { add, del } => {
+                    if let Some(k) = observed.get_mut(&name) {
+                        for m in &del {
+                            k.members.remove(m);
+                        }
+                        k.members.extend(add);
+                    }
+                }
+            }
+        }
+        observed.extend(after);
+        if lost {
+            // A set we had written is gone from the kernel (removed by
+            // hand?): rebuild from the desired state.
+            self.observed = None;
+            self.needs_full = true;
+        }
+        Ok(ApplyOutcome::default())
+    }
+
+    /// Destroys our sets that are not desired (and leftover temporaries).
+    fn apply_deletions(&mut self) -> Result<ApplyOutcome, BackendError> {
+        let Some(observed) = &self.observed else {
+            return Ok(ApplyOutcome::default());
+        };
+        let stale: Vec<String> = observed
+            .keys()
+            .filter(|n| !self.desired.contains_key(*n))
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return Ok(ApplyOutcome::default());
+        }
+        let mut script = String::new();
+        for n in &stale {
+            let _ = writeln!(script, "destroy {n}");
+        }
+        debug!(sets = stale.len(), "destroying IP sets");
+        if let Err(e) = self.exec.restore(&script) {
+            return Err(self.fail(e));
+        }
+        let observed = self.observed.as_mut().expect("checked above");
+        for n in stale {
+            observed.remove(&n);
+        }
+        Ok(ApplyOutcome::default())
+    }
+}
+
+impl Backend for IpSets {
+    fn name(&self) -> &'static str {
+        match self.version {
+            IpVersion::V4 => "ipsets-v4",
+            IpVersion::V6 => "ipsets-v6",
+        }
+    }
+
+    fn phases(&self) -> &'static [Phase] {
+        &[Phase::IpSetUpdates, Phase::IpSetDeletions]
+    }
+
+    fn is_dirty(&self, phase: Phase) -> bool {
+        match phase {
+            Phase::IpSetUpdates => {
+                self.observed.is_none() || self.needs_full || !self.pending.is_empty()
+            }
+            Phase::IpSetDeletions => self
+                .observed
+                .as_ref()
+                .is_some_and(|o| o.keys().any(|n| !self.desired.contains_key(n))),
+            _ => false,
+        }
+    }
+
+    fn request_resync(&mut self, refresh: Refresh) {
+        if refresh == Refresh::IpSets {
+            self.observed = None;
+            self.needs_full = true;
+        }
+    }
+
+    #[instrument(level = "debug", skip(self), fields(backend = self.name()))]
+    fn apply(&mut self, phase: Phase) -> Result<ApplyOutcome, BackendError> {
+        match phase {
+            Phase::IpSetUpdates => self.apply_updates(),
+            Phase::IpSetDeletions => self.apply_deletions(),
+            _ => Ok(ApplyOutcome::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,91 @@
+//! The real [`IpSetExec`]: the `ipset` tool, in the daemon's network
+//! namespace. The `ipset` crate (libipset FFI) is not used: its `list()`
+//! fails beyond ~1 KiB of output, it has no swap and is `!Send`; spawning
+//! `ipset restore` with the script on stdin is as fast and atomic per line.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use super::IpSetExec;
+use crate::backends::BackendError;
+
+const BACKEND: &str = "ipsets";
+
+/// Runs `ipset` (from `PATH`, or the given path).
+#[derive(Debug, Clone)]
+pub struct IpsetTool {
+    program: String,
+}
+
+impl Default for IpsetTool {
+    fn default() -> Self {
+        Self {
+            program: "ipset".into(),
+        }
+    }
+}
+
+impl IpsetTool {
+    pub fn new(program: impl Into<String>) -> Self {
+        Self {
+            program: program.into(),
+        }
+    }
+}
+
+fn io(context: String) -> impl FnOnce(std::io::Error) -> BackendError {
+    move |source| BackendError::Io {
+        backend: BACKEND,
+        context,
+        source,
+    }
+}
+
+impl IpSetExec for IpsetTool {
+    fn save(&mut self) -> Result<String, BackendError> {
+        let out = Command::new(&self.program)
+            .arg("save")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(io(format!("running {} save", self.program)))?;
+        if !out.status.success() {
+            return Err(BackendError::Command {
+                backend: BACKEND,
+                command: format!("{} save", self.program),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        String::from_utf8(out.stdout).map_err(|e| BackendError::Parse {
+            backend: BACKEND,
+            reason: format!("ipset save printed non-UTF-8: {e}"),
+        })
+    }
+
+    fn restore(&mut self, script: &str) -> Result<(), BackendError> {
+        let mut child = Command::new(&self.program)
+            .args(["restore", "-exist"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(io(format!("running {} restore", self.program)))?;
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        // A write error means ipset stopped reading (it failed on a line);
+        // its exit status and stderr say why.
+        let write = stdin.write_all(script.as_bytes());
+        drop(stdin);
+        let out = child
+            .wait_with_output()
+            .map_err(io(format!("waiting for {} restore", self.program)))?;
+        if !out.status.success() {
+            return Err(BackendError::Command {
+                backend: BACKEND,
+                command: format!("{} restore -exist", self.program),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        write.map_err(io(format!("writing to {} restore", self.program)))
+    }
+}
