@@ -296,6 +296,18 @@ impl SyncLoop {
         info!("sync loop stopped; kernel state left as it is");
     }
 
+    /// Whether every manager accepts `update`; if not, it is rejected.
+    fn accepted(&mut self, session: SessionId, seq: u64, update: &Update) -> bool {
+        let verdict = self.managers.iter().find_map(|m| m.check(update).err());
+        match verdict {
+            None => true,
+            Some(e) => {
+                self.reject(session, seq, &e.field, e.reason);
+                false
+            }
+        }
+    }
+
     fn dispatch(&mut self, update: &Update) {
         self.store.record(update);
         for m in &mut self.managers {
@@ -404,9 +416,17 @@ impl SyncLoop {
                         }
                     }
                 }
+                if !self.accepted(session, seq, &update) {
+                    return;
+                }
                 self.dispatch(&update);
             }
-            _ => self.dispatch(&update),
+            _ => {
+                if !self.accepted(session, seq, &update) {
+                    return;
+                }
+                self.dispatch(&update)
+            }
         }
         if let Some(s) = self.sessions.get_mut(&session) {
             s.highest = Some(s.highest.map_or(seq, |h| h.max(seq)));

@@ -8,6 +8,7 @@ use std::future::Future;
 
 use dphandler_dataplane::backends::DesiredKernel;
 use dphandler_dataplane::interfaces::netlink;
+use dphandler_dataplane::managers::Manager;
 use dphandler_dataplane::sync_loop::{Channels, Feed, LoopConfig, Status, StatusEvent, SyncLoop};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::JoinHandle;
@@ -30,6 +31,7 @@ pub struct Connector {
 /// the loop's task (which ends after `shutdown`).
 pub fn start(
     cfg: LoopConfig,
+    managers: Vec<Box<dyn Manager>>,
     kernel: DesiredKernel,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> (Connector, JoinHandle<()>) {
@@ -46,7 +48,7 @@ pub fn start(
         events: ev_tx.clone(),
         status: st_tx,
     };
-    let task = tokio::spawn(SyncLoop::new(cfg, Vec::new(), kernel).run(ch, shutdown));
+    let task = tokio::spawn(SyncLoop::new(cfg, managers, kernel).run(ch, shutdown));
     (
         Connector {
             feed: feed_tx,

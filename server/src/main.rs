@@ -7,6 +7,9 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use dphandler_dataplane::backends::DesiredKernel;
+use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
+use dphandler_dataplane::managers::{Manager, ipsets::IpSetsManager};
+use dphandler_dataplane::model::{IpVersion, ipsets::SetNames};
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::v1::dataplane_server::DataplaneServer;
 use dphandler_server::limits;
@@ -94,6 +97,24 @@ struct ServeArgs {
     /// Seconds open streams get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "DPH_SHUTDOWN_GRACE_SECONDS", default_value_t = 2.0)]
     shutdown_grace_seconds: f64,
+    /// Prefix of every kernel object the daemon owns (IP sets are
+    /// `<prefix>40<id>` / `<prefix>60<id>`); 1-10 letters or digits.
+    #[arg(long, env = "DPH_PREFIX", default_value = "dph")]
+    prefix: String,
+    /// Largest IP set (its `maxelem`); a set that would grow beyond it is
+    /// rejected.
+    #[arg(long, env = "DPH_MAX_IPSET_SIZE", default_value_t = dphandler_dataplane::managers::ipsets::DEFAULT_MAX_SIZE)]
+    max_ipset_size: u32,
+    /// Seconds between re-reads of the kernel's IP sets (0: never); what was
+    /// changed by hand is repaired then.
+    #[arg(long, env = "DPH_IPSET_REFRESH_SECONDS", default_value_t = 90.0)]
+    ipset_refresh_seconds: f64,
+    /// Seconds before a failed apply is retried.
+    #[arg(long, env = "DPH_RETRY_SECONDS", default_value_t = 10.0)]
+    retry_seconds: f64,
+    /// Program IPv6 as well as IPv4.
+    #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
+    ipv6: bool,
 }
 
 impl ServeArgs {
@@ -169,6 +190,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         limits::governor_config(args.rate_limit_per_second, args.rate_limit_burst)
             .context("--rate-limit-per-second / --rate-limit-burst")?,
     );
+    let secs = |v: f64, flag: &str| {
+        std::time::Duration::try_from_secs_f64(v)
+            .with_context(|| format!("{flag} must be a non-negative number of seconds"))
+    };
+    let loop_cfg = LoopConfig {
+        ipset_refresh: secs(args.ipset_refresh_seconds, "--ipset-refresh-seconds")?,
+        retry_interval: secs(args.retry_seconds, "--retry-seconds")?,
+        ..LoopConfig::default()
+    };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let loop_stop = {
         let mut rx = stop_rx.clone();
@@ -176,6 +206,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
+    let names = SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
+    if args.max_ipset_size == 0 {
+        bail!("--max-ipset-size must be at least 1");
+    }
+    let mut kernel = DesiredKernel::default();
+    for v in [IpVersion::V4, IpVersion::V6] {
+        if v == IpVersion::V6 && !args.ipv6 {
+            continue;
+        }
+        kernel.ipsets.push(IpSets::new(v, names.clone(), Box::new(IpsetTool::default())));
+    }
+    let managers: Vec<Box<dyn Manager>> =
+        vec![Box::new(IpSetsManager::new(args.max_ipset_size))];
     let listener = listen::bind_unix(&args.socket).await?;
     let tcp_listener = match args.tcp {
         Some(addr) => Some(
@@ -185,8 +228,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let (conn, loop_task) =
-        connector::start(LoopConfig::default(), DesiredKernel::default(), loop_stop);
+    let (conn, loop_task) = connector::start(loop_cfg, managers, kernel, loop_stop);
     info!(socket = %args.socket.display(), "listening");
 
     let (health, health_svc) = tonic_health::server::health_reporter();

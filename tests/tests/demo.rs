@@ -28,6 +28,10 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("workload_endpoint     1"), "{stdout}");
+    assert!(
+        stdout.contains("dph40s:frontend-pods        hash:ip       2 members"),
+        "{stdout}"
+    );
     // The namespace it named is gone.
     let ns = stdout
         .split_whitespace()

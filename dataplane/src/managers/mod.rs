@@ -3,9 +3,11 @@
 //! loop applies, queue desired state into the backend objects of
 //! [`DesiredKernel`] in `complete_deferred_work`.
 
+pub mod ipsets;
+
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
-use crate::model::Update;
+use crate::model::{Update, ValidationError};
 
 /// Errors a manager can report while queuing desired state.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +31,12 @@ impl ManagerError {
 /// One subsystem's view of the desired state.
 pub trait Manager: Send {
     fn name(&self) -> &'static str;
+    /// Checks a validated message against this manager's state before it
+    /// is accepted (e.g. an IP set over the maximum size). An error rejects
+    /// the message: nothing of it reaches any manager.
+    fn check(&self, _update: &Update) -> Result<(), ValidationError> {
+        Ok(())
+    }
     /// A validated message from the calc graph. Record only.
     fn on_update(&mut self, update: &Update);
     /// A link or address change seen by the interface monitor. Record only.

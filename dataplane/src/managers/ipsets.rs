@@ -1,0 +1,322 @@
+//! The IP-set manager: the calc graph's IP sets (IPSetUpdate, IPSetDelta,
+//! IPSetRemove), split by family into the v4 and v6 backend objects
+//! ([`crate::backends::ipsets::IpSets`]). Every set id gets a set in each
+//! family the dataplane programs (rules of either family may reference it),
+//! holding that family's members. No I/O here.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{Manager, ManagerError};
+use crate::backends::DesiredKernel;
+use crate::backends::ipsets::Meta;
+use crate::model::ipsets::{IpSetType, Member};
+use crate::model::{Id, IpVersion, Key, Update, ValidationError};
+
+/// Felix's default `MaxIpsetSize`.
+pub const DEFAULT_MAX_SIZE: u32 = 1_048_576;
+
+#[derive(Debug)]
+struct DesiredSet {
+    set_type: IpSetType,
+    members: HashSet<Member>,
+}
+
+impl DesiredSet {
+    fn count(&self, v: IpVersion) -> usize {
+        self.members.iter().filter(|m| m.version() == v).count()
+    }
+}
+
+#[derive(Debug)]
+enum Change {
+    Full,
+    Delta {
+        add: HashSet<Member>,
+        del: HashSet<Member>,
+    },
+    Removed,
+}
+
+#[derive(Debug)]
+pub struct IpSetsManager {
+    max_size: u32,
+    sets: HashMap<Id, DesiredSet>,
+    /// What changed since the last `complete_deferred_work`.
+    changes: HashMap<Id, Change>,
+}
+
+impl IpSetsManager {
+    /// `max_size` is every set's `maxelem`; a set that would grow beyond it
+    /// is rejected whole.
+    pub fn new(max_size: u32) -> Self {
+        Self {
+            max_size,
+            sets: HashMap::new(),
+            changes: HashMap::new(),
+        }
+    }
+
+    fn too_big(&self, field: &str, v: IpVersion, n: usize) -> Result<(), ValidationError> {
+        if n > self.max_size as usize {
+            let fam = match v {
+                IpVersion::V4 => "IPv4",
+                IpVersion::V6 => "IPv6",
+            };
+            return Err(ValidationError::new(
+                field,
+                format!(
+                    "the set would hold {n} {fam} members, over the maximum of {} \
+                     (--max-ipset-size); nothing of it was applied",
+                    self.max_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn meta(&self, set_type: IpSetType) -> Meta {
+        Meta {
+            set_type,
+            maxelem: self.max_size,
+        }
+    }
+}
+
+fn of(members: &HashSet<Member>, v: IpVersion) -> HashSet<Member> {
+    members.iter().filter(|m| m.version() == v).copied().collect()
+}
+
+impl Manager for IpSetsManager {
+    fn name(&self) -> &'static str {
+        "ipsets"
+    }
+
+    fn check(&self, update: &Update) -> Result<(), ValidationError> {
+        match update {
+            Update::IpSetUpdate(s) => {
+                let unique: HashSet<&Member> = s.members.iter().collect();
+                for v in [IpVersion::V4, IpVersion::V6] {
+                    let n = unique.iter().filter(|m| m.version() == v).count();
+                    self.too_big("ipset_update.members", v, n)?;
+                }
+                Ok(())
+            }
+            Update::IpSetDeltaUpdate(d) => {
+                let Some(set) = self.sets.get(&d.id) else {
+                    return Ok(());
+                };
+                let removed: HashSet<&Member> = d.removed.iter().collect();
+                for v in [IpVersion::V4, IpVersion::V6] {
+                    let gone = removed
+                        .iter()
+                        .filter(|m| m.version() == v && set.members.contains(**m))
+                        .count();
+                    let new: HashSet<&Member> = d
+                        .added
+                        .iter()
+                        .filter(|m| m.version() == v && !set.members.contains(*m))
+                        .collect();
+                    let n = set.count(v) - gone + new.len();
+                    self.too_big("ipset_delta_update.added_members", v, n)?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn on_update(&mut self, update: &Update) {
+        match update {
+            Update::IpSetUpdate(s) => {
+                self.sets.insert(
+                    s.id.clone(),
+                    DesiredSet {
+                        set_type: s.set_type,
+                        members: s.members.iter().copied().collect(),
+                    },
+                );
+                self.changes.insert(s.id.clone(), Change::Full);
+            }
+            Update::IpSetDeltaUpdate(d) => {
+                let Some(set) = self.sets.get_mut(&d.id) else {
+                    return;
+                };
+                for m in &d.removed {
+                    set.members.remove(m);
+                }
+                set.members.extend(d.added.iter().copied());
+                match self.changes.entry(d.id.clone()).or_insert_with(|| Change::Delta {
+                    add: HashSet::new(),
+                    del: HashSet::new(),
+                }) {
+                    Change::Full | Change::Removed => {}
+                    Change::Delta { add, del } => {
+                        for m in &d.removed {
+                            add.remove(m);
+                            del.insert(*m);
+                        }
+                        for m in &d.added {
+                            del.remove(m);
+                            add.insert(*m);
+                        }
+                    }
+                }
+            }
+            Update::Remove(Key::IpSet(id)) => {
+                if self.sets.remove(id).is_some() {
+                    self.changes.insert(id.clone(), Change::Removed);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        for b in &mut kernel.ipsets {
+            let v = b.version();
+            if b.needs_full() {
+                b.start_full();
+                for (id, set) in &self.sets {
+                    let name = b.names().name(v, id);
+                    b.replace(name, self.meta(set.set_type), of(&set.members, v));
+                }
+                continue;
+            }
+            for (id, change) in &self.changes {
+                let name = b.names().name(v, id);
+                match change {
+                    Change::Full => {
+                        let set = &self.sets[id];
+                        b.replace(name, self.meta(set.set_type), of(&set.members, v));
+                    }
+                    Change::Delta { add, del } => {
+                        b.delta(
+                            &name,
+                            add.iter().filter(|m| m.version() == v).copied(),
+                            del.iter().filter(|m| m.version() == v).copied(),
+                        );
+                    }
+                    Change::Removed => b.remove(&name),
+                }
+            }
+        }
+        self.changes.clear();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backends::ipsets::{IpSetExec, IpSets};
+    use crate::backends::{Backend, BackendError, Phase};
+    use crate::model::ipsets::{IpSet, IpSetDelta, SetNames};
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Debug, Clone, Default)]
+    struct Scripts(Arc<Mutex<Vec<String>>>);
+
+    impl IpSetExec for Scripts {
+        fn save(&mut self) -> Result<String, BackendError> {
+            Ok(String::new())
+        }
+        fn restore(&mut self, script: &str) -> Result<(), BackendError> {
+            self.0.lock().unwrap().push(script.to_string());
+            Ok(())
+        }
+    }
+
+    fn kernel() -> (DesiredKernel, Scripts, Scripts) {
+        let (v4, v6) = (Scripts::default(), Scripts::default());
+        let names = SetNames::new("dph").unwrap();
+        let k = DesiredKernel {
+            ipsets: vec![
+                IpSets::new(IpVersion::V4, names.clone(), Box::new(v4.clone())),
+                IpSets::new(IpVersion::V6, names, Box::new(v6.clone())),
+            ],
+            ..Default::default()
+        };
+        (k, v4, v6)
+    }
+
+    fn set(id: &str, ty: IpSetType, members: &[&str]) -> Update {
+        Update::IpSetUpdate(IpSet {
+            id: Id::new(id).unwrap(),
+            set_type: ty,
+            members: members.iter().map(|s| Member::parse(ty, s).unwrap()).collect(),
+        })
+    }
+
+    fn delta(id: &str, add: &[&str], del: &[&str]) -> Update {
+        let p = |l: &[&str]| l.iter().map(|s| Member::parse_any(s).unwrap()).collect();
+        Update::IpSetDeltaUpdate(IpSetDelta {
+            id: Id::new(id).unwrap(),
+            added: p(add),
+            removed: p(del),
+        })
+    }
+
+    fn apply(mgr: &mut IpSetsManager, k: &mut DesiredKernel) {
+        mgr.complete_deferred_work(k).unwrap();
+        k.apply_all().unwrap();
+    }
+
+    #[test]
+    fn members_are_split_by_family_and_every_id_exists_in_both() {
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE);
+        let (mut k, v4, v6) = kernel();
+        mgr.on_update(&set("s:a", IpSetType::Ip, &["10.0.0.1", "fd00::1"]));
+        apply(&mut mgr, &mut k);
+        let s4 = v4.0.lock().unwrap().join("");
+        let s6 = v6.0.lock().unwrap().join("");
+        assert!(s4.contains("create dph40s:a hash:ip family inet ") && s4.contains("add dph40s:a 10.0.0.1\n"));
+        assert!(!s4.contains("fd00"));
+        assert!(s6.contains("create dph60s:a hash:ip family inet6 ") && s6.contains("add dph60s:a fd00::1\n"));
+
+        mgr.on_update(&delta("s:a", &["10.0.0.2"], &["10.0.0.1"]));
+        apply(&mut mgr, &mut k);
+        let last4 = v4.0.lock().unwrap().last().unwrap().clone();
+        let mut lines: Vec<&str> = last4.lines().collect();
+        lines.sort();
+        assert_eq!(lines, ["add dph40s:a 10.0.0.2", "del dph40s:a 10.0.0.1"]);
+        assert_eq!(v6.0.lock().unwrap().len(), 1, "nothing changed in v6");
+
+        mgr.on_update(&Update::Remove(Key::IpSet(Id::new("s:a").unwrap())));
+        apply(&mut mgr, &mut k);
+        assert_eq!(v4.0.lock().unwrap().last().unwrap(), "destroy dph40s:a\n");
+        assert_eq!(v6.0.lock().unwrap().last().unwrap(), "destroy dph60s:a\n");
+        assert!(!k.ipsets[0].is_dirty(Phase::IpSetDeletions));
+    }
+
+    #[test]
+    fn sets_over_the_maximum_are_refused_whole() {
+        let mut mgr = IpSetsManager::new(3);
+        let ok = set("s:a", IpSetType::Ip, &["10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::1"]);
+        assert!(mgr.check(&ok).is_ok(), "3 v4 + 1 v6 fit a maximum of 3 per family");
+        mgr.on_update(&ok);
+        let big = set("s:b", IpSetType::Ip, &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]);
+        let e = mgr.check(&big).unwrap_err();
+        assert_eq!(e.field, "ipset_update.members");
+        assert!(e.reason.contains("4 IPv4 members") && e.reason.contains("maximum of 3"), "{}", e.reason);
+        // A delta that swaps one member for another keeps the size.
+        assert!(mgr.check(&delta("s:a", &["10.0.0.9"], &["10.0.0.1"])).is_ok());
+        // Re-adding a member it has is no growth.
+        assert!(mgr.check(&delta("s:a", &["10.0.0.1"], &[])).is_ok());
+        let e = mgr.check(&delta("s:a", &["10.0.0.9"], &[])).unwrap_err();
+        assert_eq!(e.field, "ipset_delta_update.added_members");
+    }
+
+    #[test]
+    fn a_resync_resends_the_whole_desired_state() {
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE);
+        let (mut k, v4, _v6) = kernel();
+        mgr.on_update(&set("s:a", IpSetType::Net, &["10.0.0.0/8"]));
+        apply(&mut mgr, &mut k);
+        k.request_resync(crate::backends::Refresh::IpSets);
+        apply(&mut mgr, &mut k);
+        // The fake kernel is empty on every read, so the set is rebuilt.
+        let all = v4.0.lock().unwrap().clone();
+        assert_eq!(all.len(), 2);
+        assert!(all[1].contains("create dph40s:a hash:net"), "{all:?}");
+    }
+}
