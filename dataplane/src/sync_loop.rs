@@ -485,14 +485,16 @@ impl SyncLoop {
             .kernel
             .take()
             .expect("kernel is put back after every apply");
+        // Resyncs first, so the managers see what the backends now need
+        // (e.g. the whole desired state again) in this same apply.
+        for r in self.pending_refresh.drain(..) {
+            kernel.request_resync(r);
+        }
         let mut error = None;
         for m in &mut self.managers {
             if let Err(e) = m.complete_deferred_work(&mut kernel) {
                 error.get_or_insert(e.to_string());
             }
-        }
-        for r in self.pending_refresh.drain(..) {
-            kernel.request_resync(r);
         }
         let (kernel, result) = if kernel.is_empty() {
             (kernel, Ok(Default::default()))
@@ -530,7 +532,11 @@ impl SyncLoop {
         }
         self.status.last_error = None;
         if still_dirty {
+            // Something is left for another pass (the throttle paces it):
+            // wake up for it even if nothing else happens.
             self.dirty = true;
+            let now = Instant::now();
+            self.reschedule_at = Some(self.reschedule_at.map_or(now, |t| t.min(now)));
             return;
         }
         for s in self.sessions.values() {

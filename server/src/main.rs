@@ -206,7 +206,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
-    let names = SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
+    let names =
+        SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
     if args.max_ipset_size == 0 {
         bail!("--max-ipset-size must be at least 1");
     }
@@ -215,10 +216,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         if v == IpVersion::V6 && !args.ipv6 {
             continue;
         }
-        kernel.ipsets.push(IpSets::new(v, names.clone(), Box::new(IpsetTool::default())));
+        kernel.ipsets.push(IpSets::new(
+            v,
+            names.clone(),
+            Box::new(IpsetTool::default()),
+        ));
     }
-    let managers: Vec<Box<dyn Manager>> =
-        vec![Box::new(IpSetsManager::new(args.max_ipset_size))];
+    let managers: Vec<Box<dyn Manager>> = vec![Box::new(IpSetsManager::new(args.max_ipset_size))];
     let listener = listen::bind_unix(&args.socket).await?;
     let tcp_listener = match args.tcp {
         Some(addr) => Some(

@@ -204,3 +204,136 @@ pub fn in_sync() -> Payload {
 pub fn tempdir() -> Result<tempfile::TempDir> {
     Ok(tempfile::Builder::new().prefix("dph-test-").tempdir()?)
 }
+
+/// Sends `msgs` on one ToDataplane stream and reads the replies until the
+/// server ends the stream (everything accepted is programmed). Returns the
+/// rejections and the highest sequence number programmed.
+pub async fn push(
+    client: &mut DataplaneClient<Channel>,
+    msgs: Vec<felix::ToDataplane>,
+) -> Result<(Vec<dphandler_proto::v1::Rejection>, u64)> {
+    use dphandler_proto::v1::to_dataplane_reply::Kind;
+    let mut replies = client
+        .to_dataplane(tokio_stream::iter(msgs))
+        .await?
+        .into_inner();
+    let (mut rejected, mut programmed) = (Vec::new(), 0);
+    while let Some(r) = tokio::time::timeout(Duration::from_secs(30), replies.message()).await?? {
+        match r.kind {
+            Some(Kind::Rejected(r)) => rejected.push(r),
+            Some(Kind::Programmed(p)) => programmed = p.sequence_number,
+            _ => {}
+        }
+    }
+    Ok((rejected, programmed))
+}
+
+/// An IP set of the given type.
+pub fn ipset_of(id: &str, ty: felix::ip_set_update::IpSetType, members: &[&str]) -> Payload {
+    Payload::IpsetUpdate(felix::IpSetUpdate {
+        id: id.into(),
+        members: members.iter().map(|s| s.to_string()).collect(),
+        r#type: ty as i32,
+    })
+}
+
+/// A set as `ipset save` shows it: its `create` line and its members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedSet {
+    pub create: String,
+    pub members: std::collections::BTreeSet<String>,
+}
+
+impl SavedSet {
+    /// The `maxelem` of the create line.
+    pub fn maxelem(&self) -> Option<u64> {
+        let mut w = self.create.split_whitespace();
+        while let Some(x) = w.next() {
+            if x == "maxelem" {
+                return w.next()?.parse().ok();
+            }
+        }
+        None
+    }
+
+    /// The `initval` of the create line: it changes only when the set is
+    /// created anew.
+    pub fn initval(&self) -> Option<String> {
+        let mut w = self.create.split_whitespace();
+        while let Some(x) = w.next() {
+            if x == "initval" {
+                return w.next().map(str::to_string);
+            }
+        }
+        None
+    }
+
+    /// The set's type (`hash:ip`, …).
+    pub fn set_type(&self) -> &str {
+        self.create.split_whitespace().nth(2).unwrap_or_default()
+    }
+}
+
+/// `ipset save` in the namespace, by set name.
+pub fn ipsets(ns: &Netns) -> Result<std::collections::BTreeMap<String, SavedSet>> {
+    let out = ns.run("ipset", &["save"])?;
+    let mut sets = std::collections::BTreeMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let mut w = line.split_whitespace();
+        match (w.next(), w.next()) {
+            (Some("create"), Some(name)) => {
+                sets.insert(
+                    name.to_string(),
+                    SavedSet {
+                        create: line.to_string(),
+                        members: Default::default(),
+                    },
+                );
+            }
+            (Some("add"), Some(name)) => {
+                if let Some(s) = sets.get_mut(name) {
+                    s.members.insert(w.collect::<Vec<_>>().join(" "));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(sets)
+}
+
+/// Polls `until` every 50 ms for up to `secs` seconds.
+pub async fn eventually(secs: u64, mut until: impl FnMut() -> Result<bool>) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if until()? {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("condition not met within {secs} s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Sends `msgs` on one ToDataplane stream and returns once the server has
+/// validated them all (its `Received`), without waiting for them to be
+/// programmed. Returns the rejections.
+pub async fn send_only(
+    client: &mut DataplaneClient<Channel>,
+    msgs: Vec<felix::ToDataplane>,
+) -> Result<Vec<dphandler_proto::v1::Rejection>> {
+    use dphandler_proto::v1::to_dataplane_reply::Kind;
+    let mut replies = client
+        .to_dataplane(tokio_stream::iter(msgs))
+        .await?
+        .into_inner();
+    let mut rejected = Vec::new();
+    while let Some(r) = tokio::time::timeout(Duration::from_secs(30), replies.message()).await?? {
+        match r.kind {
+            Some(Kind::Rejected(r)) => rejected.push(r),
+            Some(Kind::Received(_)) => return Ok(rejected),
+            _ => {}
+        }
+    }
+    bail!("the stream ended before Received")
+}

@@ -138,10 +138,11 @@ impl std::fmt::Debug for DesiredKernel {
 
 impl DesiredKernel {
     pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut dyn Backend> {
-        self.ipsets
-            .iter_mut()
-            .map(|b| b as &mut dyn Backend)
-            .chain(self.others.iter_mut().map(|b| b.as_mut() as &mut dyn Backend))
+        self.ipsets.iter_mut().map(|b| b as &mut dyn Backend).chain(
+            self.others
+                .iter_mut()
+                .map(|b| b.as_mut() as &mut dyn Backend),
+        )
     }
 
     pub fn is_empty(&self) -> bool {

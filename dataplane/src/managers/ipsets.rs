@@ -83,7 +83,11 @@ impl IpSetsManager {
 }
 
 fn of(members: &HashSet<Member>, v: IpVersion) -> HashSet<Member> {
-    members.iter().filter(|m| m.version() == v).copied().collect()
+    members
+        .iter()
+        .filter(|m| m.version() == v)
+        .copied()
+        .collect()
 }
 
 impl Manager for IpSetsManager {
@@ -145,10 +149,13 @@ impl Manager for IpSetsManager {
                     set.members.remove(m);
                 }
                 set.members.extend(d.added.iter().copied());
-                match self.changes.entry(d.id.clone()).or_insert_with(|| Change::Delta {
-                    add: HashSet::new(),
-                    del: HashSet::new(),
-                }) {
+                match self
+                    .changes
+                    .entry(d.id.clone())
+                    .or_insert_with(|| Change::Delta {
+                        add: HashSet::new(),
+                        del: HashSet::new(),
+                    }) {
                     Change::Full | Change::Removed => {}
                     Change::Delta { add, del } => {
                         for m in &d.removed {
@@ -162,10 +169,8 @@ impl Manager for IpSetsManager {
                     }
                 }
             }
-            Update::Remove(Key::IpSet(id)) => {
-                if self.sets.remove(id).is_some() {
-                    self.changes.insert(id.clone(), Change::Removed);
-                }
+            Update::Remove(Key::IpSet(id)) if self.sets.remove(id).is_some() => {
+                self.changes.insert(id.clone(), Change::Removed);
             }
             _ => {}
         }
@@ -243,7 +248,10 @@ mod tests {
         Update::IpSetUpdate(IpSet {
             id: Id::new(id).unwrap(),
             set_type: ty,
-            members: members.iter().map(|s| Member::parse(ty, s).unwrap()).collect(),
+            members: members
+                .iter()
+                .map(|s| Member::parse(ty, s).unwrap())
+                .collect(),
         })
     }
 
@@ -269,9 +277,15 @@ mod tests {
         apply(&mut mgr, &mut k);
         let s4 = v4.0.lock().unwrap().join("");
         let s6 = v6.0.lock().unwrap().join("");
-        assert!(s4.contains("create dph40s:a hash:ip family inet ") && s4.contains("add dph40s:a 10.0.0.1\n"));
+        assert!(
+            s4.contains("create dph40s:a hash:ip family inet ")
+                && s4.contains("add dph40s:a 10.0.0.1\n")
+        );
         assert!(!s4.contains("fd00"));
-        assert!(s6.contains("create dph60s:a hash:ip family inet6 ") && s6.contains("add dph60s:a fd00::1\n"));
+        assert!(
+            s6.contains("create dph60s:a hash:ip family inet6 ")
+                && s6.contains("add dph60s:a fd00::1\n")
+        );
 
         mgr.on_update(&delta("s:a", &["10.0.0.2"], &["10.0.0.1"]));
         apply(&mut mgr, &mut k);
@@ -291,15 +305,33 @@ mod tests {
     #[test]
     fn sets_over_the_maximum_are_refused_whole() {
         let mut mgr = IpSetsManager::new(3);
-        let ok = set("s:a", IpSetType::Ip, &["10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::1"]);
-        assert!(mgr.check(&ok).is_ok(), "3 v4 + 1 v6 fit a maximum of 3 per family");
+        let ok = set(
+            "s:a",
+            IpSetType::Ip,
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3", "fd00::1"],
+        );
+        assert!(
+            mgr.check(&ok).is_ok(),
+            "3 v4 + 1 v6 fit a maximum of 3 per family"
+        );
         mgr.on_update(&ok);
-        let big = set("s:b", IpSetType::Ip, &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]);
+        let big = set(
+            "s:b",
+            IpSetType::Ip,
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"],
+        );
         let e = mgr.check(&big).unwrap_err();
         assert_eq!(e.field, "ipset_update.members");
-        assert!(e.reason.contains("4 IPv4 members") && e.reason.contains("maximum of 3"), "{}", e.reason);
+        assert!(
+            e.reason.contains("4 IPv4 members") && e.reason.contains("maximum of 3"),
+            "{}",
+            e.reason
+        );
         // A delta that swaps one member for another keeps the size.
-        assert!(mgr.check(&delta("s:a", &["10.0.0.9"], &["10.0.0.1"])).is_ok());
+        assert!(
+            mgr.check(&delta("s:a", &["10.0.0.9"], &["10.0.0.1"]))
+                .is_ok()
+        );
         // Re-adding a member it has is no growth.
         assert!(mgr.check(&delta("s:a", &["10.0.0.1"], &[])).is_ok());
         let e = mgr.check(&delta("s:a", &["10.0.0.9"], &[])).unwrap_err();

@@ -252,7 +252,10 @@ mod tests {
         assert_eq!(name, n.name(IpVersion::V4, &long), "deterministic");
         assert_ne!(
             name,
-            n.name(IpVersion::V4, &Id::new("s:this-id-is-far-too-long-for-the-kernel2").unwrap())
+            n.name(
+                IpVersion::V4,
+                &Id::new("s:this-id-is-far-too-long-for-the-kernel2").unwrap()
+            )
         );
         assert!(n.owns(IpVersion::V4, "dph40s:abc"));
         assert!(n.owns(IpVersion::V4, &n.temp(IpVersion::V4, 3)));

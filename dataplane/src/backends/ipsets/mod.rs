@@ -25,8 +25,8 @@ use std::fmt::Write as _;
 use tracing::{debug, instrument};
 
 use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
-use crate::model::ipsets::{IpSetType, Member, SetNames};
 use crate::model::IpVersion;
+use crate::model::ipsets::{IpSetType, Member, SetNames};
 
 /// What a set is, apart from its members. `hashsize` is not part of it: the
 /// kernel grows a hash as needed, so a different one needs no rewrite.
@@ -239,10 +239,10 @@ impl IpSets {
 
     /// Creates, member changes and swaps; one `ipset restore`.
     fn apply_updates(&mut self) -> Result<ApplyOutcome, BackendError> {
-        if self.observed.is_none() {
-            if let Err(e) = self.read() {
-                return Err(self.fail(e));
-            }
+        if self.observed.is_none()
+            && let Err(e) = self.read()
+        {
+            return Err(self.fail(e));
         }
         if self.needs_full {
             // The manager has not re-sent the desired state yet; nothing
@@ -271,7 +271,9 @@ impl IpSets {
                     }
                 }
                 (Pending::Replace(meta, members), Some(k)) => {
-                    let compatible = k.meta.is_some_and(|old| swappable(old.set_type, meta.set_type));
+                    let compatible = k
+                        .meta
+                        .is_some_and(|old| swappable(old.set_type, meta.set_type));
                     if compatible {
                         // Fill a temporary set and swap it in: the set's
                         // name (and the rules using it) never see it empty.
@@ -367,7 +369,12 @@ impl IpSets {
         }
         debug!(sets = stale.len(), "destroying IP sets");
         if let Err(e) = self.exec.restore(&script) {
-            return Err(self.fail(e));
+            // Typically a set still in use by a rule ("in use by a kernel
+            // component"). Lines before the failing one took effect: read
+            // the kernel again. The desired state is intact, so the manager
+            // need not send it again.
+            self.observed = None;
+            return Err(e);
         }
         let observed = self.observed.as_mut().expect("checked above");
         for n in stale {

@@ -109,8 +109,14 @@ add dph40m 00:11:22:33:44:55
         );
         assert_eq!(a.members.len(), 2);
         let n = &sets["dph40n"];
-        assert!(n.members.contains(&Member::parse(IpSetType::Net, "10.0.0.7/32").unwrap()));
-        assert!(n.members.contains(&Member::parse(IpSetType::Net, "10.1.0.0/16").unwrap()));
+        assert!(
+            n.members
+                .contains(&Member::parse(IpSetType::Net, "10.0.0.7/32").unwrap())
+        );
+        assert!(
+            n.members
+                .contains(&Member::parse(IpSetType::Net, "10.1.0.0/16").unwrap())
+        );
         assert_eq!(sets["dph40p"].members.len(), 1);
         assert_eq!(sets["dph40m"].meta, None, "a type we do not program");
     }

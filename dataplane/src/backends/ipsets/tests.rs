@@ -68,7 +68,13 @@ fn sorted(script: &str) -> Vec<&str> {
 }
 
 fn last_script(rec: &Recording) -> String {
-    rec.0.lock().unwrap().scripts.last().cloned().unwrap_or_default()
+    rec.0
+        .lock()
+        .unwrap()
+        .scripts
+        .last()
+        .cloned()
+        .unwrap_or_default()
 }
 
 fn apply_all(b: &mut IpSets) {
@@ -84,7 +90,11 @@ fn fresh_sets_are_created_sized_and_filled_in_one_restore() {
     let (mut b, rec) = sets("");
     assert!(b.needs_full());
     b.start_full();
-    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]));
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
     let big: HashSet<Member> = (0..3000u32)
         .map(|i| Member::Ip(std::net::Ipv4Addr::from(0x0a01_0000 + i).into()))
         .collect();
@@ -93,11 +103,15 @@ fn fresh_sets_are_created_sized_and_filled_in_one_restore() {
     let r = rec.0.lock().unwrap();
     assert_eq!(r.scripts.len(), 1, "one restore for everything");
     let s = &r.scripts[0];
-    assert!(s.starts_with(
-        "create dph40a hash:ip family inet hashsize 1024 maxelem 1000\n"
-    ), "{s}");
+    assert!(
+        s.starts_with("create dph40a hash:ip family inet hashsize 1024 maxelem 1000\n"),
+        "{s}"
+    );
     assert!(s.contains("create dph40b hash:ip family inet hashsize 4096 maxelem 1000\n"));
-    assert_eq!(s.lines().filter(|l| l.starts_with("add dph40b ")).count(), 3000);
+    assert_eq!(
+        s.lines().filter(|l| l.starts_with("add dph40b ")).count(),
+        3000
+    );
     assert!(s.contains("add dph40a 10.0.0.1\n") && s.contains("add dph40a 10.0.0.2\n"));
     drop(r);
     assert!(!b.is_dirty(Phase::IpSetUpdates) && !b.is_dirty(Phase::IpSetDeletions));
@@ -111,7 +125,11 @@ fn deltas_and_replacements_write_only_the_difference() {
     );
     b.start_full();
     // Adopting what the kernel has: nothing to write at all.
-    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]));
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
     apply_all(&mut b);
     assert!(rec.0.lock().unwrap().scripts.is_empty(), "adopted as it is");
 
@@ -127,31 +145,45 @@ fn deltas_and_replacements_write_only_the_difference() {
         "only real changes: 10.0.0.1 is there already, 10.9.9.9 never was"
     );
 
-    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.3", "10.0.0.4"]));
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.3", "10.0.0.4"]),
+    );
     apply_all(&mut b);
     assert_eq!(
         sorted(&last_script(&rec)),
         ["add dph40a 10.0.0.4", "del dph40a 10.0.0.1"]
     );
-    assert_eq!(rec.0.lock().unwrap().saves, 1, "no re-read after our own writes");
+    assert_eq!(
+        rec.0.lock().unwrap().saves,
+        1,
+        "no re-read after our own writes"
+    );
 }
 
 #[test]
 fn a_size_change_goes_through_a_temporary_set_and_swap() {
-    let (mut b, rec) = sets(
-        "create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n",
-    );
+    let (mut b, rec) =
+        sets("create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n");
     b.start_full();
     let bigger = Meta {
         maxelem: 5000,
         ..IP
     };
-    b.replace("dph40a".into(), bigger, members(IpSetType::Ip, &["10.0.0.1", "10.0.0.5"]));
+    b.replace(
+        "dph40a".into(),
+        bigger,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.5"]),
+    );
     apply_all(&mut b);
     let s = last_script(&rec);
     let lines: Vec<&str> = s.lines().collect();
     assert_eq!(lines[0], "destroy dph4t1");
-    assert_eq!(lines[1], "create dph4t1 hash:ip family inet hashsize 1024 maxelem 5000");
+    assert_eq!(
+        lines[1],
+        "create dph4t1 hash:ip family inet hashsize 1024 maxelem 5000"
+    );
     assert_eq!(
         sorted(&lines[2..4].join("\n")),
         ["add dph4t1 10.0.0.1", "add dph4t1 10.0.0.5"]
@@ -161,20 +193,26 @@ fn a_size_change_goes_through_a_temporary_set_and_swap() {
 
 #[test]
 fn a_type_change_recreates_the_set() {
-    let (mut b, rec) = sets(
-        "create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n",
-    );
+    let (mut b, rec) =
+        sets("create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n");
     b.start_full();
     let net = Meta {
         set_type: IpSetType::Net,
         maxelem: 1000,
     };
-    b.replace("dph40a".into(), net, members(IpSetType::Net, &["10.0.0.0/8", "10.0.0.1"]));
+    b.replace(
+        "dph40a".into(),
+        net,
+        members(IpSetType::Net, &["10.0.0.0/8", "10.0.0.1"]),
+    );
     apply_all(&mut b);
     let s = last_script(&rec);
     let lines: Vec<&str> = s.lines().collect();
     assert_eq!(lines[0], "destroy dph40a");
-    assert_eq!(lines[1], "create dph40a hash:net family inet hashsize 1024 maxelem 1000");
+    assert_eq!(
+        lines[1],
+        "create dph40a hash:net family inet hashsize 1024 maxelem 1000"
+    );
     assert_eq!(
         sorted(&lines[2..].join("\n")),
         ["add dph40a 10.0.0.0/8", "add dph40a 10.0.0.1"],
@@ -236,7 +274,11 @@ fn a_failed_write_rereads_and_asks_for_everything_again() {
 fn a_refresh_rereads_and_repairs() {
     let (mut b, rec) = sets("");
     b.start_full();
-    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]));
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
     apply_all(&mut b);
     // Someone deleted a member by hand.
     rec.0.lock().unwrap().save =
@@ -247,7 +289,11 @@ fn a_refresh_rereads_and_repairs() {
     b.request_resync(Refresh::IpSets);
     assert!(b.needs_full() && b.is_dirty(Phase::IpSetUpdates));
     b.start_full();
-    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]));
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
     apply_all(&mut b);
     assert_eq!(last_script(&rec), "add dph40a 10.0.0.2\n");
     let _ = Id::new("unused").unwrap();
