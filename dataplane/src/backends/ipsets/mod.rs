@@ -90,11 +90,16 @@ pub fn hashsize(n: usize) -> usize {
 }
 
 /// A member as `ipset save` prints it (a `hash:net` host entry has no
-/// `/32` or `/128`).
-pub fn member_text(m: &Member) -> String {
-    match m {
-        Member::Net(n) if n.prefix_len() == n.max_prefix_len() => n.addr().to_string(),
-        m => m.to_string(),
+/// `/32` or `/128`), written without an allocation.
+#[derive(Debug, Clone, Copy)]
+pub struct MemberText<'a>(pub &'a Member);
+
+impl std::fmt::Display for MemberText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Member::Net(n) if n.prefix_len() == n.max_prefix_len() => write!(f, "{}", n.addr()),
+            m => write!(f, "{m}"),
+        }
     }
 }
 
@@ -259,15 +264,15 @@ impl IpSets {
                 (Pending::Replace(meta, members), None) => {
                     self.create_line(&mut script, name, *meta, members.len());
                     for m in members {
-                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                        let _ = writeln!(script, "add {name} {}", MemberText(m));
                     }
                 }
                 (Pending::Replace(meta, members), Some(k)) if k.meta == Some(*meta) => {
                     for m in k.members.difference(members) {
-                        let _ = writeln!(script, "del {name} {}", member_text(m));
+                        let _ = writeln!(script, "del {name} {}", MemberText(m));
                     }
                     for m in members.difference(&k.members) {
-                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                        let _ = writeln!(script, "add {name} {}", MemberText(m));
                     }
                 }
                 (Pending::Replace(meta, members), Some(k)) => {
@@ -284,7 +289,7 @@ impl IpSets {
                         let _ = writeln!(script, "destroy {temp}");
                         self.create_line(&mut script, &temp, *meta, members.len());
                         for m in members {
-                            let _ = writeln!(script, "add {temp} {}", member_text(m));
+                            let _ = writeln!(script, "add {temp} {}", MemberText(m));
                         }
                         let _ = writeln!(script, "swap {temp} {name}");
                         let _ = writeln!(script, "destroy {temp}");
@@ -296,16 +301,16 @@ impl IpSets {
                         let _ = writeln!(script, "destroy {name}");
                         self.create_line(&mut script, name, *meta, members.len());
                         for m in members {
-                            let _ = writeln!(script, "add {name} {}", member_text(m));
+                            let _ = writeln!(script, "add {name} {}", MemberText(m));
                         }
                     }
                 }
                 (Pending::Delta { add, del }, Some(k)) => {
                     for m in del.intersection(&k.members) {
-                        let _ = writeln!(script, "del {name} {}", member_text(m));
+                        let _ = writeln!(script, "del {name} {}", MemberText(m));
                     }
                     for m in add.difference(&k.members) {
-                        let _ = writeln!(script, "add {name} {}", member_text(m));
+                        let _ = writeln!(script, "add {name} {}", MemberText(m));
                     }
                 }
                 (Pending::Delta { .. }, None) => lost = true,
