@@ -8,6 +8,7 @@
 //! runtime, concurrently within a phase.
 
 pub mod ipsets;
+pub mod iptables;
 pub mod recording;
 
 use std::time::Duration;

@@ -1,0 +1,554 @@
+//! iptables tables, one backend object per (table, IP version).
+//!
+//! Owns, in the daemon's network namespace: the chains whose names start
+//! with the chain prefix (`dph-` by default), and in the built-in chains
+//! only the rules that carry our hash comment (`dph:<16 chars>`). Foreign
+//! chains and rules are never removed, reordered or rewritten.
+//!
+//! Every rule we write starts with `-m comment --comment "<prefix>:<hash>"`;
+//! the hash is chained over the chain's name and the text of each rule up to
+//! it (sha224, base64url, 16 characters, as Felix does), so read-back
+//! (`iptables-save -t T`) tells which rules are ours and whether each is the
+//! one we want at its position. An apply writes one
+//! `iptables-restore --noflush --wait` per table with the minimal lines: new
+//! chains, `-R`/`-A`/`-D` by position in our chains, our hook rules in the
+//! built-in chains (deleted by their full spec, so a rule someone else
+//! inserted meanwhile is never hit, and inserted at the top or appended),
+//! and chain deletions last. Only chains that a hook reaches (or that are
+//! forced) are programmed. After a write the table is re-read once
+//! ([`POST_WRITE_CHECK`]) and on every refresh tick, and whatever was
+//! changed by hand is put back.
+
+pub mod restore;
+pub mod save;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use sha2::Digest;
+use tracing::{debug, instrument};
+
+use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
+use crate::model::IpVersion;
+
+/// When a table is read again after we wrote it.
+pub const POST_WRITE_CHECK: Duration = Duration::from_secs(5);
+
+/// iptables' limit on chain names.
+pub const MAX_CHAIN_NAME: usize = 28;
+
+/// Why a rule or chain name cannot be used. Not retryable: the caller built
+/// something invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    #[error("chain name {0:?}: 1-28 characters of [A-Za-z0-9_.:-], not starting with '-'")]
+    ChainName(String),
+    #[error("rule token {0:?}: only [A-Za-z0-9._:/,!=+@%-] may reach iptables-restore")]
+    Token(String),
+    #[error("a rule needs at least one token")]
+    Empty,
+}
+
+fn check_chain(name: &str) -> Result<(), RuleError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_CHAIN_NAME
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(RuleError::ChainName(name.to_string()))
+    }
+}
+
+/// A rule's match and action, e.g. `-p tcp --dport 80 -j ACCEPT`. Built only
+/// from tokens of a strict character set: no whitespace, quotes, newlines or
+/// `#` can reach the restore input, so no name or id can inject a rule.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Rule {
+    text: String,
+}
+
+impl Rule {
+    pub fn new<'a>(tokens: impl IntoIterator<Item = &'a str>) -> Result<Self, RuleError> {
+        let mut text = String::new();
+        for t in tokens {
+            let ok = !t.is_empty()
+                && t.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._:/,!=+@%-".contains(&b));
+            if !ok {
+                return Err(RuleError::Token(t.to_string()));
+            }
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            text.push_str(t);
+        }
+        if text.is_empty() {
+            return Err(RuleError::Empty);
+        }
+        Ok(Self { text })
+    }
+
+    /// Parses a space-separated rule (every token checked as in [`new`](Self::new)).
+    pub fn parse(s: &str) -> Result<Self, RuleError> {
+        Self::new(s.split(' '))
+    }
+
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The chain this rule jumps or goes to, if any.
+    pub fn target(&self) -> Option<&str> {
+        let mut w = self.text.split(' ');
+        while let Some(t) = w.next() {
+            if matches!(t, "-j" | "-g" | "--jump" | "--goto") {
+                return w.next();
+            }
+        }
+        None
+    }
+}
+
+/// The hashes of a chain's rules, chained over its name (Felix's
+/// `RuleHashes`): each depends on the chain and every rule up to it.
+pub fn rule_hashes(chain: &str, rules: &[Rule]) -> Vec<String> {
+    let mut h = sha2::Sha224::new();
+    h.update(chain.as_bytes());
+    rules
+        .iter()
+        .map(|r| {
+            h.update(r.text.as_bytes());
+            let sum = h.clone().finalize();
+            let mut s = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sum);
+            s.truncate(16);
+            s
+        })
+        .collect()
+}
+
+/// Where our rules go in a built-in chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InsertMode {
+    /// At the top, before every other rule (Felix's default).
+    #[default]
+    Insert,
+    /// At the bottom.
+    Append,
+}
+
+impl std::str::FromStr for InsertMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "insert" => Ok(Self::Insert),
+            "append" => Ok(Self::Append),
+            _ => Err(format!("{s:?}: expected insert or append")),
+        }
+    }
+}
+
+/// The seam to the kernel.
+pub trait IptablesExec: Send + std::fmt::Debug {
+    /// `iptables-save -t <table>` (or the ip6tables one).
+    fn save(&mut self, table: &str) -> Result<String, BackendError>;
+    /// `iptables-restore --noflush --wait` with `input` on stdin.
+    fn restore(&mut self, input: &str) -> Result<(), BackendError>;
+}
+
+/// A chain as read back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ObservedChain {
+    /// Per rule, in order: our hash (if the rule carries our comment) and
+    /// the rule's spec as `iptables-save` printed it (after `-A <chain>`).
+    pub rules: Vec<(Option<String>, String)>,
+}
+
+/// Naming of what a table owns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ownership {
+    /// Chains starting with this are ours (`dph-`).
+    pub chain_prefix: String,
+    /// Our hash comments start with this (`dph:`).
+    pub comment_prefix: String,
+}
+
+impl Ownership {
+    /// From the daemon's prefix (`dph` gives `dph-` and `dph:`).
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            chain_prefix: format!("{prefix}-"),
+            comment_prefix: format!("{prefix}:"),
+        }
+    }
+}
+
+const BUILTINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+
+fn is_builtin(chain: &str) -> bool {
+    BUILTINS.contains(&chain)
+}
+
+/// One table of one IP version.
+#[derive(Debug)]
+pub struct Table {
+    table: &'static str,
+    version: IpVersion,
+    own: Ownership,
+    mode: InsertMode,
+    exec: Box<dyn IptablesExec>,
+    chains: BTreeMap<String, Vec<Rule>>,
+    forced: BTreeSet<String>,
+    hooks: BTreeMap<String, Vec<Rule>>,
+    observed: Option<BTreeMap<String, ObservedChain>>,
+    /// Desired state changed since the last successful write.
+    changed: bool,
+    recheck_at: Option<Instant>,
+}
+
+impl Table {
+    pub fn new(
+        table: &'static str,
+        version: IpVersion,
+        own: Ownership,
+        mode: InsertMode,
+        exec: Box<dyn IptablesExec>,
+    ) -> Self {
+        Self {
+            table,
+            version,
+            own,
+            mode,
+            exec,
+            chains: BTreeMap::new(),
+            forced: BTreeSet::new(),
+            hooks: BTreeMap::new(),
+            observed: None,
+            changed: true,
+            recheck_at: None,
+        }
+    }
+
+    pub fn table(&self) -> &'static str {
+        self.table
+    }
+
+    pub fn version(&self) -> IpVersion {
+        self.version
+    }
+
+    /// Chain `name` (which must carry our prefix) must hold `rules`.
+    pub fn set_chain(&mut self, name: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        check_chain(name)?;
+        if !name.starts_with(&self.own.chain_prefix) {
+            return Err(RuleError::ChainName(name.to_string()));
+        }
+        if self.chains.get(name) != Some(&rules) {
+            self.chains.insert(name.to_string(), rules);
+            self.changed = true;
+        }
+        Ok(())
+    }
+
+    /// Chain `name` is no longer wanted.
+    pub fn remove_chain(&mut self, name: &str) {
+        if self.chains.remove(name).is_some() {
+            self.forced.remove(name);
+            self.changed = true;
+        }
+    }
+
+    /// Program `name` even if nothing references it.
+    pub fn force(&mut self, name: &str) {
+        if self.forced.insert(name.to_string()) {
+            self.changed = true;
+        }
+    }
+
+    /// Our rules in built-in chain `builtin` (at the top or the bottom, by
+    /// the insert mode). An empty list removes them.
+    pub fn set_hooks(&mut self, builtin: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        if !is_builtin(builtin) {
+            return Err(RuleError::ChainName(builtin.to_string()));
+        }
+        let old = self.hooks.get(builtin).cloned().unwrap_or_default();
+        if old != rules {
+            if rules.is_empty() {
+                self.hooks.remove(builtin);
+            } else {
+                self.hooks.insert(builtin.to_string(), rules);
+            }
+            self.changed = true;
+        }
+        Ok(())
+    }
+
+    /// The chains that will be programmed: those the hooks reach, directly
+    /// or through other chains of ours, and the forced ones.
+    pub fn programmed(&self) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        let mut todo: Vec<String> = self.forced.iter().cloned().collect();
+        for rules in self.hooks.values() {
+            todo.extend(rules.iter().filter_map(|r| r.target().map(str::to_string)));
+        }
+        while let Some(c) = todo.pop() {
+            let Some(rules) = self.chains.get(&c) else {
+                continue;
+            };
+            if out.insert(c) {
+                todo.extend(rules.iter().filter_map(|r| r.target().map(str::to_string)));
+            }
+        }
+        out
+    }
+
+    /// The table as last read or written.
+    pub fn observed(&self) -> Option<&BTreeMap<String, ObservedChain>> {
+        self.observed.as_ref()
+    }
+
+    fn read(&mut self) -> Result<(), BackendError> {
+        let text = self.exec.save(self.table)?;
+        self.observed = Some(save::parse(&text, &self.own.comment_prefix));
+        Ok(())
+    }
+
+    /// `<head> -m comment --comment "<prefix><hash>" <rule>`, where head
+    /// is e.g. `-A dph-x`, `-R dph-x 3` or `-I INPUT 1`.
+    fn line(&self, out: &mut String, head: &str, hash: &str, rule: &Rule) {
+        let _ = writeln!(
+            out,
+            "{head} -m comment --comment \"{}{hash}\" {}",
+            self.own.comment_prefix, rule.text
+        );
+    }
+
+    /// The restore input that brings `observed` to the desired state, and
+    /// the observed state it leaves.
+    fn render(
+        &self,
+        observed: &BTreeMap<String, ObservedChain>,
+    ) -> (String, BTreeMap<String, ObservedChain>) {
+        let programmed = self.programmed();
+        let mut decl = String::new();
+        let mut body = String::new();
+        let mut after = observed.clone();
+        // Our chains.
+        for name in &programmed {
+            let rules = &self.chains[name];
+            let hashes = rule_hashes(name, rules);
+            let empty = ObservedChain::default();
+            let old = match observed.get(name) {
+                Some(o) => o,
+                None => {
+                    let _ = writeln!(decl, ":{name} - [0:0]");
+                    &empty
+                }
+            };
+            for (i, (rule, hash)) in rules.iter().zip(&hashes).enumerate() {
+                match old.rules.get(i) {
+                    Some((Some(h), _)) if h == hash => {}
+                    Some(_) => self.line(&mut body, &format!("-R {name} {}", i + 1), hash, rule),
+                    None => self.line(&mut body, &format!("-A {name}"), hash, rule),
+                }
+            }
+            for j in (rules.len()..old.rules.len()).rev() {
+                let _ = writeln!(body, "-D {name} {}", j + 1);
+            }
+            after.insert(
+                name.clone(),
+                ObservedChain {
+                    rules: hashes
+                        .into_iter()
+                        .zip(rules)
+                        .map(|(h, r)| (Some(h), r.text.clone()))
+                        .collect(),
+                },
+            );
+        }
+        // Our rules in the built-in chains.
+        let builtins: BTreeSet<&str> = self
+            .hooks
+            .keys()
+            .map(String::as_str)
+            .chain(
+                observed
+                    .iter()
+                    .filter(|(n, c)| is_builtin(n) && c.rules.iter().any(|r| r.0.is_some()))
+                    .map(|(n, _)| n.as_str()),
+            )
+            .collect();
+        for b in builtins {
+            let want = self.hooks.get(b).cloned().unwrap_or_default();
+            let hashes = rule_hashes(b, &want);
+            let old = observed.get(b).cloned().unwrap_or_default();
+            let ours: Vec<&(Option<String>, String)> =
+                old.rules.iter().filter(|r| r.0.is_some()).collect();
+            let positions_ok = match self.mode {
+                InsertMode::Insert => old.rules.iter().take(want.len()).all(|r| r.0.is_some()),
+                InsertMode::Append => old
+                    .rules
+                    .iter()
+                    .rev()
+                    .take(want.len())
+                    .all(|r| r.0.is_some()),
+            };
+            let in_order = ours.len() == hashes.len()
+                && ours
+                    .iter()
+                    .zip(&hashes)
+                    .all(|(o, h)| o.0.as_deref() == Some(h));
+            if in_order && positions_ok {
+                continue;
+            }
+            // Remove ours by their full spec (immune to positions shifting
+            // under us), then put the wanted ones in place.
+            for (_, spec) in &ours {
+                let _ = writeln!(body, "-D {b} {spec}");
+            }
+            let foreign: Vec<(Option<String>, String)> = old
+                .rules
+                .iter()
+                .filter(|r| r.0.is_none())
+                .cloned()
+                .collect();
+            let mine: Vec<(Option<String>, String)> = hashes
+                .iter()
+                .zip(&want)
+                .map(|(h, r)| {
+                    (
+                        Some(h.clone()),
+                        format!(
+                            "-m comment --comment \"{}{h}\" {}",
+                            self.own.comment_prefix, r.text
+                        ),
+                    )
+                })
+                .collect();
+            let rules = match self.mode {
+                InsertMode::Insert => {
+                    for (i, (rule, hash)) in want.iter().zip(&hashes).enumerate() {
+                        self.line(&mut body, &format!("-I {b} {}", i + 1), hash, rule);
+                    }
+                    mine.into_iter().chain(foreign).collect()
+                }
+                InsertMode::Append => {
+                    for (rule, hash) in want.iter().zip(&hashes) {
+                        self.line(&mut body, &format!("-A {b}"), hash, rule);
+                    }
+                    foreign.into_iter().chain(mine).collect()
+                }
+            };
+            after.insert(b.to_string(), ObservedChain { rules });
+        }
+        // Chains of ours that are no longer programmed: flushed first (their
+        // rules may reference each other), deleted last.
+        let stale: Vec<&String> = observed
+            .keys()
+            .filter(|n| n.starts_with(&self.own.chain_prefix) && !programmed.contains(*n))
+            .collect();
+        for n in &stale {
+            let _ = writeln!(body, "-F {n}");
+        }
+        for n in &stale {
+            let _ = writeln!(body, "-X {n}");
+            after.remove(*n);
+        }
+        if decl.is_empty() && body.is_empty() {
+            return (String::new(), after);
+        }
+        (format!("*{}\n{decl}{body}COMMIT\n", self.table), after)
+    }
+
+    fn apply_table(&mut self) -> Result<ApplyOutcome, BackendError> {
+        let recheck = self.recheck_at.is_some_and(|t| Instant::now() >= t);
+        if recheck {
+            self.recheck_at = None;
+            self.observed = None;
+        }
+        if self.observed.is_none()
+            && let Err(e) = self.read()
+        {
+            return Err(e);
+        }
+        let observed = self.observed.as_ref().expect("read above");
+        let (input, after) = self.render(observed);
+        if input.is_empty() {
+            self.changed = false;
+            return Ok(ApplyOutcome::default());
+        }
+        debug!(table = self.table, bytes = input.len(), "iptables-restore");
+        if let Err(e) = self.exec.restore(&input) {
+            // We no longer know what the table holds: read it again.
+            self.observed = None;
+            return Err(e);
+        }
+        self.observed = Some(after);
+        self.changed = false;
+        self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);
+        Ok(ApplyOutcome {
+            reschedule_after: Some(POST_WRITE_CHECK),
+        })
+    }
+}
+
+impl Backend for Table {
+    fn name(&self) -> &'static str {
+        match (self.version, self.table) {
+            (IpVersion::V4, "raw") => "iptables-raw",
+            (IpVersion::V4, "mangle") => "iptables-mangle",
+            (IpVersion::V4, "nat") => "iptables-nat",
+            (IpVersion::V4, _) => "iptables-filter",
+            (IpVersion::V6, "raw") => "ip6tables-raw",
+            (IpVersion::V6, "mangle") => "ip6tables-mangle",
+            (IpVersion::V6, "nat") => "ip6tables-nat",
+            (IpVersion::V6, _) => "ip6tables-filter",
+        }
+    }
+
+    fn phases(&self) -> &'static [Phase] {
+        &[Phase::Tables]
+    }
+
+    fn is_dirty(&self, phase: Phase) -> bool {
+        phase == Phase::Tables
+            && (self.changed
+                || self.observed.is_none()
+                || self.recheck_at.is_some_and(|t| Instant::now() >= t))
+    }
+
+    fn request_resync(&mut self, refresh: Refresh) {
+        if refresh == Refresh::Iptables {
+            self.observed = None;
+        }
+    }
+
+    #[instrument(level = "debug", skip(self), fields(backend = self.name()))]
+    fn apply(&mut self, phase: Phase) -> Result<ApplyOutcome, BackendError> {
+        if phase != Phase::Tables {
+            return Ok(ApplyOutcome::default());
+        }
+        self.apply_table()
+    }
+}
+
+/// Counts, for status and tests: our chains and rules as last observed.
+pub fn owned_counts(observed: &BTreeMap<String, ObservedChain>, own: &Ownership) -> (usize, usize) {
+    let chains = observed
+        .keys()
+        .filter(|n| n.starts_with(&own.chain_prefix))
+        .count();
+    let rules = observed
+        .values()
+        .map(|c| c.rules.iter().filter(|r| r.0.is_some()).count())
+        .sum();
+    (chains, rules)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,166 @@
+//! The real [`IptablesExec`]: `iptables-save` / `iptables-restore --noflush
+//! --wait` of the chosen flavour (nft or legacy) and IP version. The
+//! `iptables` crate is not used: it spawns one `iptables` per rule (1,000
+//! appends: 1.8 s against 14 ms for one restore) and cannot restore.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use super::IptablesExec;
+use crate::backends::BackendError;
+use crate::model::IpVersion;
+
+/// Which iptables the host uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    Nft,
+    Legacy,
+}
+
+/// `--iptables-backend`: a flavour, or `auto` (detect, as Felix does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FlavorChoice {
+    #[default]
+    Auto,
+    Fixed(Flavor),
+}
+
+impl std::str::FromStr for FlavorChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "nft" => Ok(Self::Fixed(Flavor::Nft)),
+            "legacy" => Ok(Self::Fixed(Flavor::Legacy)),
+            _ => Err(format!("{s:?}: expected auto, nft or legacy")),
+        }
+    }
+}
+
+fn tool(flavor: Flavor, version: IpVersion, what: &str) -> String {
+    let base = match version {
+        IpVersion::V4 => "iptables",
+        IpVersion::V6 => "ip6tables",
+    };
+    let f = match flavor {
+        Flavor::Nft => "nft",
+        Flavor::Legacy => "legacy",
+    };
+    format!("{base}-{f}-{what}")
+}
+
+fn rules_in(flavor: Flavor, wrapper: &[String]) -> Option<usize> {
+    let mut c = command(wrapper, &tool(flavor, IpVersion::V4, "save"));
+    let out = c.stderr(Stdio::null()).output().ok()?;
+    out.status.success().then(|| {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("-A "))
+            .count()
+    })
+}
+
+/// Picks the flavour the host's other agents (kube-proxy, …) use: the one
+/// whose tables hold more rules; nft when neither holds any or only nft
+/// works (Felix's and kube-proxy's iptables-wrapper's heuristic).
+pub fn detect(wrapper: &[String]) -> Flavor {
+    match (
+        rules_in(Flavor::Legacy, wrapper),
+        rules_in(Flavor::Nft, wrapper),
+    ) {
+        (Some(l), Some(n)) if l > n => Flavor::Legacy,
+        (Some(_), None) => Flavor::Legacy,
+        _ => Flavor::Nft,
+    }
+}
+
+fn command(wrapper: &[String], program: &str) -> Command {
+    match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
+/// Runs the tools of one flavour and IP version, optionally under a wrapper
+/// command (e.g. `ip netns exec NAME`, for tests and benchmarks).
+#[derive(Debug, Clone)]
+pub struct IptablesTool {
+    save: String,
+    restore: String,
+    wrapper: Vec<String>,
+    backend: &'static str,
+}
+
+impl IptablesTool {
+    pub fn new(flavor: Flavor, version: IpVersion, wrapper: Vec<String>) -> Self {
+        Self {
+            save: tool(flavor, version, "save"),
+            restore: tool(flavor, version, "restore"),
+            wrapper,
+            backend: match version {
+                IpVersion::V4 => "iptables",
+                IpVersion::V6 => "ip6tables",
+            },
+        }
+    }
+
+    fn io(&self, context: String) -> impl FnOnce(std::io::Error) -> BackendError + use<> {
+        let backend = self.backend;
+        move |source| BackendError::Io {
+            backend,
+            context,
+            source,
+        }
+    }
+}
+
+impl IptablesExec for IptablesTool {
+    fn save(&mut self, table: &str) -> Result<String, BackendError> {
+        let out = command(&self.wrapper, &self.save)
+            .args(["-t", table])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(self.io(format!("running {}", self.save)))?;
+        if !out.status.success() {
+            return Err(BackendError::Command {
+                backend: self.backend,
+                command: format!("{} -t {table}", self.save),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        String::from_utf8(out.stdout).map_err(|e| BackendError::Parse {
+            backend: self.backend,
+            reason: format!("{} printed non-UTF-8: {e}", self.save),
+        })
+    }
+
+    fn restore(&mut self, input: &str) -> Result<(), BackendError> {
+        let mut child = command(&self.wrapper, &self.restore)
+            .args(["--noflush", "--wait", "5"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(self.io(format!("running {}", self.restore)))?;
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let write = stdin.write_all(input.as_bytes());
+        drop(stdin);
+        let out = child
+            .wait_with_output()
+            .map_err(self.io(format!("waiting for {}", self.restore)))?;
+        if !out.status.success() {
+            return Err(BackendError::Command {
+                backend: self.backend,
+                command: format!("{} --noflush --wait 5", self.restore),
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
+        }
+        write.map_err(self.io(format!("writing to {}", self.restore)))
+    }
+}

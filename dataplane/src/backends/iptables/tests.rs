@@ -1,0 +1,276 @@
+//! The table backend against a recording seam: golden restore input.
+
+use std::sync::{Arc, Mutex};
+
+use super::*;
+
+#[derive(Debug, Default)]
+struct Rec {
+    save: String,
+    inputs: Vec<String>,
+    saves: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Recording(Arc<Mutex<Rec>>);
+
+impl IptablesExec for Recording {
+    fn save(&mut self, table: &str) -> Result<String, BackendError> {
+        let mut r = self.0.lock().unwrap();
+        r.saves += 1;
+        assert_eq!(table, "filter");
+        Ok(r.save.clone())
+    }
+    fn restore(&mut self, input: &str) -> Result<(), BackendError> {
+        self.0.lock().unwrap().inputs.push(input.to_string());
+        Ok(())
+    }
+}
+
+fn table(save: &str, mode: InsertMode) -> (Table, Recording) {
+    let rec = Recording::default();
+    rec.0.lock().unwrap().save = save.to_string();
+    let t = Table::new(
+        "filter",
+        IpVersion::V4,
+        Ownership::new("dph"),
+        mode,
+        Box::new(rec.clone()),
+    );
+    (t, rec)
+}
+
+fn r(s: &str) -> Rule {
+    Rule::parse(s).unwrap()
+}
+
+fn last(rec: &Recording) -> String {
+    rec.0
+        .lock()
+        .unwrap()
+        .inputs
+        .last()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn inputs(rec: &Recording) -> usize {
+    rec.0.lock().unwrap().inputs.len()
+}
+
+const EMPTY: &str =
+    "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n";
+
+fn h(chain: &str, rules: &[&str]) -> Vec<String> {
+    rule_hashes(chain, &rules.iter().map(|s| r(s)).collect::<Vec<_>>())
+}
+
+#[test]
+fn hashes_are_chained_over_the_chain_and_earlier_rules() {
+    let a = h("dph-x", &["-j ACCEPT", "-j DROP"]);
+    assert_eq!(a.len(), 2);
+    assert!(a.iter().all(|x| x.len() == 16));
+    assert_eq!(a, h("dph-x", &["-j ACCEPT", "-j DROP"]), "deterministic");
+    assert_ne!(a[0], h("dph-y", &["-j ACCEPT"])[0], "depends on the chain");
+    assert_ne!(
+        a[1],
+        h("dph-x", &["-j RETURN", "-j DROP"])[1],
+        "depends on earlier rules"
+    );
+}
+
+#[test]
+fn tokens_that_could_inject_are_refused() {
+    for bad in [
+        "x\n-A INPUT -j ACCEPT",
+        "a b",
+        "\"quoted\"",
+        "it's",
+        "#comment",
+        "back\\slash",
+        "",
+        "tab\there",
+    ] {
+        assert!(Rule::new([bad]).is_err(), "{bad:?}");
+    }
+    assert!(Rule::parse("-m set --match-set dph40s:a src -j ACCEPT").is_ok());
+    assert!(Rule::parse("-j ACCEPT\n-A INPUT -j ACCEPT").is_err());
+    let (mut t, _) = table(EMPTY, InsertMode::Insert);
+    assert!(t.set_chain("dph-x\n-A INPUT", vec![]).is_err());
+    assert!(t.set_chain("KUBE-X", vec![]).is_err(), "not our prefix");
+    assert!(
+        t.set_chain("dph-this-name-is-much-too-long-for-it", vec![])
+            .is_err()
+    );
+    assert!(
+        t.set_hooks("dph-x", vec![]).is_err(),
+        "hooks go in built-in chains"
+    );
+}
+
+#[test]
+fn fresh_table_gets_referenced_chains_hooks_on_top_and_nothing_else() {
+    let (mut t, rec) = table(
+        "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -s 10.9.9.9/32 -j ACCEPT\nCOMMIT\n",
+        InsertMode::Insert,
+    );
+    t.set_chain("dph-INPUT", vec![r("-j dph-wl"), r("-j ACCEPT")])
+        .unwrap();
+    t.set_chain("dph-wl", vec![r("-p tcp --dport 80 -j DROP")])
+        .unwrap();
+    t.set_chain("dph-orphan", vec![r("-j DROP")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-INPUT")]).unwrap();
+    assert!(t.is_dirty(Phase::Tables));
+    t.apply(Phase::Tables).unwrap();
+    let hi = h("dph-INPUT", &["-j dph-wl", "-j ACCEPT"]);
+    let hw = h("dph-wl", &["-p tcp --dport 80 -j DROP"]);
+    let hh = h("INPUT", &["-j dph-INPUT"]);
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n\
+             :dph-INPUT - [0:0]\n\
+             :dph-wl - [0:0]\n\
+             -A dph-INPUT -m comment --comment \"dph:{}\" -j dph-wl\n\
+             -A dph-INPUT -m comment --comment \"dph:{}\" -j ACCEPT\n\
+             -A dph-wl -m comment --comment \"dph:{}\" -p tcp --dport 80 -j DROP\n\
+             -I INPUT 1 -m comment --comment \"dph:{}\" -j dph-INPUT\n\
+             COMMIT\n",
+            hi[0], hi[1], hw[0], hh[0]
+        )
+    );
+    // Nothing changed: nothing written, and no re-read until the check.
+    assert!(!t.is_dirty(Phase::Tables));
+    let o = t.observed().unwrap();
+    assert_eq!(o["INPUT"].rules.len(), 2, "ours on top of the foreign rule");
+    assert_eq!(o["INPUT"].rules[1].1, "-s 10.9.9.9/32 -j ACCEPT");
+}
+
+fn saved_with(chains: &[(&str, &[&str])], input_hooks: &[&str], foreign_top: bool) -> String {
+    let mut s = String::from("*filter\n:INPUT ACCEPT [0:0]\n");
+    for (c, _) in chains {
+        s.push_str(&format!(":{c} - [0:0]\n"));
+    }
+    if foreign_top {
+        s.push_str("-A INPUT -s 10.9.9.9/32 -j ACCEPT\n");
+    }
+    let hh = h("INPUT", input_hooks);
+    for (rule, hash) in input_hooks.iter().zip(&hh) {
+        s.push_str(&format!(
+            "-A INPUT -m comment --comment \"dph:{hash}\" {rule}\n"
+        ));
+    }
+    for (c, rules) in chains {
+        for (rule, hash) in rules.iter().zip(h(c, rules)) {
+            s.push_str(&format!(
+                "-A {c} -m comment --comment \"dph:{hash}\" {rule}\n"
+            ));
+        }
+    }
+    s.push_str("COMMIT\n");
+    s
+}
+
+#[test]
+fn existing_state_is_adopted_and_changes_are_minimal() {
+    let rules: &[&str] = &[
+        "-s 10.0.0.1/32 -j ACCEPT",
+        "-s 10.0.0.2/32 -j ACCEPT",
+        "-j DROP",
+    ];
+    let (mut t, rec) = table(
+        &saved_with(&[("dph-x", rules)], &["-j dph-x"], false),
+        InsertMode::Insert,
+    );
+    t.set_chain("dph-x", rules.iter().map(|s| r(s)).collect())
+        .unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-x")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(inputs(&rec), 0, "adopted: nothing to write");
+
+    // Change the last rule only: one -R.
+    let new: Vec<Rule> = vec![r(rules[0]), r(rules[1]), r("-j REJECT")];
+    let hx = rule_hashes("dph-x", &new);
+    t.set_chain("dph-x", new).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n-R dph-x 3 -m comment --comment \"dph:{}\" -j REJECT\nCOMMIT\n",
+            hx[2]
+        )
+    );
+
+    // Shorter chain: deletions from the end.
+    t.set_chain("dph-x", vec![r(rules[0])]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(last(&rec), "*filter\n-D dph-x 3\n-D dph-x 2\nCOMMIT\n");
+}
+
+#[test]
+fn unhooked_chains_are_deleted_last_and_hooks_by_spec() {
+    let (mut t, rec) = table(
+        &saved_with(&[("dph-x", &["-j ACCEPT"])], &["-j dph-x"], true),
+        InsertMode::Insert,
+    );
+    t.apply(Phase::Tables).unwrap();
+    let hh = h("INPUT", &["-j dph-x"]);
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n-D INPUT -m comment --comment \"dph:{}\" -j dph-x\n-F dph-x\n-X dph-x\nCOMMIT\n",
+            hh[0]
+        ),
+        "the foreign rule is not touched"
+    );
+    assert_eq!(t.observed().unwrap()["INPUT"].rules.len(), 1);
+}
+
+#[test]
+fn hooks_below_a_foreign_rule_are_moved_to_the_top_or_kept_at_the_bottom() {
+    // Our hook sits below a foreign rule (someone inserted above us).
+    let saved = saved_with(&[("dph-x", &["-j ACCEPT"])], &["-j dph-x"], true);
+    let (mut t, rec) = table(&saved, InsertMode::Insert);
+    t.set_chain("dph-x", vec![r("-j ACCEPT")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-x")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    let hh = h("INPUT", &["-j dph-x"]);
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n-D INPUT -m comment --comment \"dph:{0}\" -j dph-x\n\
+             -I INPUT 1 -m comment --comment \"dph:{0}\" -j dph-x\nCOMMIT\n",
+            hh[0]
+        )
+    );
+    // In append mode the same state is already right.
+    let (mut t, rec) = table(&saved, InsertMode::Append);
+    t.set_chain("dph-x", vec![r("-j ACCEPT")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-x")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(inputs(&rec), 0);
+}
+
+#[test]
+fn a_refresh_rereads_and_restores_what_was_deleted_by_hand() {
+    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    t.set_chain("dph-x", vec![r("-j ACCEPT")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-x")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(rec.0.lock().unwrap().saves, 1);
+    // By hand: the hook rule deleted.
+    rec.0.lock().unwrap().save = saved_with(&[("dph-x", &["-j ACCEPT"])], &[], false);
+    t.request_resync(Refresh::IpSets);
+    assert!(!t.is_dirty(Phase::Tables), "not our timer");
+    t.request_resync(Refresh::Iptables);
+    assert!(t.is_dirty(Phase::Tables));
+    t.apply(Phase::Tables).unwrap();
+    let hh = h("INPUT", &["-j dph-x"]);
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n-I INPUT 1 -m comment --comment \"dph:{}\" -j dph-x\nCOMMIT\n",
+            hh[0]
+        )
+    );
+}
