@@ -1,0 +1,290 @@
+//! The iptables table backend against the real tools, nft and legacy, each
+//! in a network namespace this test creates (and removes, also on failure;
+//! the tools run under `ip netns exec`). Needs root.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::{Context, Result, bail};
+use dphandler_dataplane::backends::iptables::restore::{Flavor, IptablesTool};
+use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Rule, Table};
+use dphandler_dataplane::backends::{Backend, BackendError, Phase, Refresh};
+use dphandler_dataplane::model::IpVersion;
+
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Result<Self> {
+        let name = format!("dph-{tag}-{}", std::process::id());
+        run(&["ip", "netns", "add", &name])?;
+        Ok(Self(name))
+    }
+
+    fn exec(&self, args: &[&str]) -> Result<String> {
+        let mut full = vec!["ip", "netns", "exec", &self.0];
+        full.extend_from_slice(args);
+        run(&full)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn run(args: &[&str]) -> Result<String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("spawning {}", args[0]))?;
+    if !out.status.success() {
+        bail!("{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn privileged() -> bool {
+    if nix::unistd::Uid::effective().is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must run the privileged tests as root"
+    );
+    eprintln!("skipped: needs root");
+    false
+}
+
+/// Counts restores, so a test can tell that nothing was written.
+#[derive(Debug)]
+struct Counting(IptablesTool, Arc<AtomicUsize>);
+
+impl IptablesExec for Counting {
+    fn save(&mut self, table: &str) -> Result<String, BackendError> {
+        self.0.save(table)
+    }
+    fn restore(&mut self, input: &str) -> Result<(), BackendError> {
+        self.1.fetch_add(1, Ordering::Relaxed);
+        self.0.restore(input)
+    }
+}
+
+fn table(ns: &Netns, flavor: Flavor) -> (Table, Arc<AtomicUsize>) {
+    let n = Arc::new(AtomicUsize::new(0));
+    let tool = IptablesTool::new(
+        flavor,
+        IpVersion::V4,
+        vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone()],
+    );
+    let t = Table::new(
+        "filter",
+        IpVersion::V4,
+        Ownership::new("dph"),
+        InsertMode::Insert,
+        Box::new(Counting(tool, n.clone())),
+    );
+    (t, n)
+}
+
+fn r(s: &str) -> Rule {
+    Rule::parse(s).unwrap()
+}
+
+/// `iptables-save` without the comment lines and counters.
+fn save(ns: &Netns, flavor: Flavor) -> Result<Vec<String>> {
+    let tool = match flavor {
+        Flavor::Nft => "iptables-nft-save",
+        Flavor::Legacy => "iptables-legacy-save",
+    };
+    Ok(ns
+        .exec(&[tool, "-t", "filter"])?
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match l.strip_prefix(':') {
+            // ":CHAIN POLICY [p:b]": drop the counters.
+            Some(rest) => format!(":{}", rest.rsplit_once(' ').map_or(rest, |x| x.0)),
+            None => l.to_string(),
+        })
+        .collect())
+}
+
+fn foreign(lines: &[String]) -> Vec<String> {
+    lines
+        .iter()
+        .filter(|l| !l.contains("dph"))
+        .cloned()
+        .collect()
+}
+
+fn apply(t: &mut Table) -> Result<()> {
+    t.apply(Phase::Tables)?;
+    Ok(())
+}
+
+fn lifecycle(flavor: Flavor) -> Result<()> {
+    let tag = match flavor {
+        Flavor::Nft => "iptn",
+        Flavor::Legacy => "iptl",
+    };
+    let ns = Netns::new(tag)?;
+    let ipt = match flavor {
+        Flavor::Nft => "iptables-nft",
+        Flavor::Legacy => "iptables-legacy",
+    };
+    // Another agent's state, planted before we start.
+    ns.exec(&[ipt, "-w", "-N", "KUBE-FOO"])?;
+    ns.exec(&[
+        ipt,
+        "-w",
+        "-A",
+        "KUBE-FOO",
+        "-s",
+        "10.8.0.0/16",
+        "-j",
+        "RETURN",
+    ])?;
+    ns.exec(&[ipt, "-w", "-A", "INPUT", "-s", "10.9.9.9", "-j", "ACCEPT"])?;
+    ns.exec(&[
+        ipt,
+        "-w",
+        "-A",
+        "FORWARD",
+        "-m",
+        "comment",
+        "--comment",
+        "kube thing",
+        "-j",
+        "KUBE-FOO",
+    ])?;
+    ns.exec(&[
+        ipt, "-w", "-A", "OUTPUT", "-p", "udp", "--dport", "53", "-j", "ACCEPT",
+    ])?;
+    let planted = foreign(&save(&ns, flavor)?);
+
+    let (mut t, writes) = table(&ns, flavor);
+    t.set_chain(
+        "dph-INPUT",
+        vec![r("-j dph-wl"), r("-p tcp --dport 22 -j ACCEPT")],
+    )?;
+    t.set_chain("dph-wl", vec![r("-s 10.0.0.1/32 -j ACCEPT")])?;
+    t.set_chain("dph-FORWARD", vec![r("-j RETURN")])?;
+    t.set_chain("dph-unused", vec![r("-j DROP")])?;
+    t.set_hooks("INPUT", vec![r("-j dph-INPUT")])?;
+    t.set_hooks("FORWARD", vec![r("-j dph-FORWARD")])?;
+    apply(&mut t)?;
+    let s = save(&ns, flavor)?;
+    let input: Vec<&String> = s.iter().filter(|l| l.starts_with("-A INPUT")).collect();
+    assert_eq!(input.len(), 2, "{s:#?}");
+    assert!(
+        input[0].contains("dph:") && input[0].ends_with("-j dph-INPUT"),
+        "ours on top: {s:#?}"
+    );
+    assert!(s.iter().any(|l| l == ":dph-wl -"), "{s:#?}");
+    assert!(
+        !s.iter().any(|l| l.contains("dph-unused")),
+        "unreferenced chains are not programmed"
+    );
+
+    // Many applies: edits, growth, shrinking, a chain dropped.
+    for i in 0..10 {
+        let rules: Vec<Rule> = (0..=i)
+            .map(|k| r(&format!("-s 10.0.{k}.{i}/32 -j ACCEPT")))
+            .collect();
+        t.set_chain("dph-wl", rules)?;
+        apply(&mut t)?;
+    }
+    t.set_hooks("FORWARD", vec![])?;
+    apply(&mut t)?;
+    let s = save(&ns, flavor)?;
+    assert_eq!(s.iter().filter(|l| l.starts_with("-A dph-wl")).count(), 10);
+    assert!(
+        !s.iter().any(|l| l.contains("dph-FORWARD")),
+        "unhooked chain deleted: {s:#?}"
+    );
+    assert_eq!(foreign(&s), planted, "foreign chains and rules changed");
+
+    // A restart: a new object with the same desired state writes nothing.
+    let before = save(&ns, flavor)?;
+    let (mut t2, writes2) = table(&ns, flavor);
+    t2.set_chain(
+        "dph-INPUT",
+        vec![r("-j dph-wl"), r("-p tcp --dport 22 -j ACCEPT")],
+    )?;
+    let rules: Vec<Rule> = (0..10)
+        .map(|k| r(&format!("-s 10.0.{k}.9/32 -j ACCEPT")))
+        .collect();
+    t2.set_chain("dph-wl", rules)?;
+    t2.set_hooks("INPUT", vec![r("-j dph-INPUT")])?;
+    apply(&mut t2)?;
+    assert_eq!(
+        writes2.load(Ordering::Relaxed),
+        0,
+        "adopted without a write"
+    );
+    assert_eq!(save(&ns, flavor)?, before);
+
+    // Tampering: our hook and one of our rules deleted by hand; the refresh
+    // puts them back, foreign state still untouched.
+    let hook = before
+        .iter()
+        .find(|l| l.starts_with("-A INPUT") && l.contains("dph:"))
+        .unwrap();
+    let spec: Vec<&str> = hook["-A INPUT ".len()..]
+        .split(' ')
+        .map(|w| w.trim_matches('"'))
+        .collect();
+    let mut del = vec![ipt, "-w", "-D", "INPUT"];
+    del.extend(spec.iter());
+    ns.exec(&del)?;
+    ns.exec(&[ipt, "-w", "-D", "dph-wl", "3"])?;
+    assert_ne!(save(&ns, flavor)?, before);
+    t2.request_resync(Refresh::Iptables);
+    apply(&mut t2)?;
+    assert_eq!(save(&ns, flavor)?, before, "repaired");
+    assert_eq!(foreign(&save(&ns, flavor)?), planted);
+    assert!(writes.load(Ordering::Relaxed) >= 12);
+    Ok(())
+}
+
+#[test]
+fn tables_on_iptables_nft() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    lifecycle(Flavor::Nft)
+}
+
+#[test]
+fn tables_on_iptables_legacy() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    lifecycle(Flavor::Legacy)
+}
+
+#[test]
+fn detection_follows_the_rules_already_there() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    use dphandler_dataplane::backends::iptables::restore::detect;
+    let ns = Netns::new("iptdet")?;
+    let w: Vec<String> = vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone()];
+    assert_eq!(detect(&w), Flavor::Nft, "nothing anywhere: nft");
+    for i in 0..3 {
+        ns.exec(&[
+            "iptables-legacy",
+            "-w",
+            "-A",
+            "INPUT",
+            "-s",
+            &format!("10.0.0.{i}"),
+            "-j",
+            "ACCEPT",
+        ])?;
+    }
+    assert_eq!(detect(&w), Flavor::Legacy, "legacy holds the rules");
+    Ok(())
+}
