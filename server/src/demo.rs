@@ -215,9 +215,21 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     for (name, ty, n) in &sets {
         println!("  {name:<28}{ty:<14}{n} members");
     }
+    for tool in ["iptables-save", "ip6tables-save"] {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.0, tool, "-t", "filter"])
+            .output()
+            .with_context(|| format!("running {tool} in the sandbox"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ours: Vec<&str> = text.lines().filter(|l| l.contains("dph")).collect();
+        println!("{tool} -t filter, our chains and rules:");
+        for l in ours {
+            println!("  {l}");
+        }
+    }
     println!(
-        "(iptables, routes and the rest are the next issues: those objects are validated and \
-         held, not yet written to the kernel)"
+        "(policy chains, endpoints, routes and the rest are the next issues: those objects are \
+         validated and held, not yet written to the kernel)"
     );
     drop(replies);
     drop(updates);

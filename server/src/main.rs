@@ -8,7 +8,11 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use dphandler_dataplane::backends::DesiredKernel;
 use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
-use dphandler_dataplane::managers::{Manager, ipsets::IpSetsManager};
+use dphandler_dataplane::backends::iptables::restore::{
+    self as iptables_restore, FlavorChoice, IptablesTool,
+};
+use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
+use dphandler_dataplane::managers::{Manager, ipsets::IpSetsManager, tables::StaticChainsManager};
 use dphandler_dataplane::model::{IpVersion, ipsets::SetNames};
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::v1::dataplane_server::DataplaneServer;
@@ -112,6 +116,15 @@ struct ServeArgs {
     /// Seconds before a failed apply is retried.
     #[arg(long, env = "DPH_RETRY_SECONDS", default_value_t = 10.0)]
     retry_seconds: f64,
+    /// Seconds between re-reads of our iptables tables (0: never).
+    #[arg(long, env = "DPH_IPTABLES_REFRESH_SECONDS", default_value_t = 180.0)]
+    iptables_refresh_seconds: f64,
+    /// iptables flavour: auto (detect which one the host uses), nft or legacy.
+    #[arg(long, env = "DPH_IPTABLES_BACKEND", default_value = "auto")]
+    iptables_backend: FlavorChoice,
+    /// Where our rules go in the built-in chains: insert (top) or append.
+    #[arg(long, env = "DPH_CHAIN_INSERT_MODE", default_value = "insert")]
+    chain_insert_mode: InsertMode,
     /// Program IPv6 as well as IPv4.
     #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     ipv6: bool,
@@ -196,6 +209,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let loop_cfg = LoopConfig {
         ipset_refresh: secs(args.ipset_refresh_seconds, "--ipset-refresh-seconds")?,
+        iptables_refresh: secs(args.iptables_refresh_seconds, "--iptables-refresh-seconds")?,
         retry_interval: secs(args.retry_seconds, "--retry-seconds")?,
         ..LoopConfig::default()
     };
@@ -211,6 +225,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.max_ipset_size == 0 {
         bail!("--max-ipset-size must be at least 1");
     }
+    let flavor = match args.iptables_backend {
+        FlavorChoice::Fixed(f) => f,
+        FlavorChoice::Auto => iptables_restore::detect(&[]),
+    };
+    info!(?flavor, "iptables flavour");
     let mut kernel = DesiredKernel::default();
     for v in [IpVersion::V4, IpVersion::V6] {
         if v == IpVersion::V6 && !args.ipv6 {
@@ -221,8 +240,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             names.clone(),
             Box::new(IpsetTool::default()),
         ));
+        kernel.tables.push(Table::new(
+            "filter",
+            v,
+            Ownership::new(&args.prefix),
+            args.chain_insert_mode,
+            Box::new(IptablesTool::new(flavor, v, Vec::new())),
+        ));
     }
-    let managers: Vec<Box<dyn Manager>> = vec![Box::new(IpSetsManager::new(args.max_ipset_size))];
+    let managers: Vec<Box<dyn Manager>> = vec![
+        Box::new(IpSetsManager::new(args.max_ipset_size)),
+        Box::new(StaticChainsManager::new(&args.prefix)),
+    ];
     let listener = listen::bind_unix(&args.socket).await?;
     let tcp_listener = match args.tcp {
         Some(addr) => Some(

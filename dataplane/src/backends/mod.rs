@@ -117,6 +117,8 @@ pub trait Backend: Send {
 pub struct DesiredKernel {
     /// The IP sets of each family the dataplane programs (v4, then v6).
     pub ipsets: Vec<ipsets::IpSets>,
+    /// The iptables tables, per IP version.
+    pub tables: Vec<iptables::Table>,
     /// Backends without a typed slot (and the recording ones in tests).
     pub others: Vec<Box<dyn Backend>>,
 }
@@ -130,6 +132,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .ipsets
                     .iter()
                     .map(|b| b.name())
+                    .chain(self.tables.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
                     .collect::<Vec<_>>(),
             )
@@ -139,15 +142,19 @@ impl std::fmt::Debug for DesiredKernel {
 
 impl DesiredKernel {
     pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut dyn Backend> {
-        self.ipsets.iter_mut().map(|b| b as &mut dyn Backend).chain(
-            self.others
-                .iter_mut()
-                .map(|b| b.as_mut() as &mut dyn Backend),
-        )
+        self.ipsets
+            .iter_mut()
+            .map(|b| b as &mut dyn Backend)
+            .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(
+                self.others
+                    .iter_mut()
+                    .map(|b| b.as_mut() as &mut dyn Backend),
+            )
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ipsets.is_empty() && self.others.is_empty()
+        self.ipsets.is_empty() && self.tables.is_empty() && self.others.is_empty()
     }
 
     pub fn any_dirty(&mut self) -> bool {

@@ -4,6 +4,7 @@
 //! [`DesiredKernel`] in `complete_deferred_work`.
 
 pub mod ipsets;
+pub mod tables;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
