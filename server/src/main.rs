@@ -125,6 +125,11 @@ struct ServeArgs {
     /// Where our rules go in the built-in chains: insert (top) or append.
     #[arg(long, env = "DPH_CHAIN_INSERT_MODE", default_value = "insert")]
     chain_insert_mode: InsertMode,
+    /// Validate and hold the desired state, report in sync, but program
+    /// nothing in the kernel (for trying a feeder, and for benchmarks of
+    /// the API path).
+    #[arg(long, env = "DPH_DRY_RUN")]
+    dry_run: bool,
     /// Program IPv6 as well as IPv4.
     #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     ipv6: bool,
@@ -252,6 +257,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Box::new(IpSetsManager::new(args.max_ipset_size)),
         Box::new(StaticChainsManager::new(&args.prefix)),
     ];
+    let (kernel, managers) = if args.dry_run {
+        warn!("--dry-run: nothing will be programmed in the kernel");
+        (DesiredKernel::default(), Vec::new())
+    } else {
+        (kernel, managers)
+    };
     let listener = listen::bind_unix(&args.socket).await?;
     let tcp_listener = match args.tcp {
         Some(addr) => Some(

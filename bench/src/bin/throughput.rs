@@ -200,8 +200,9 @@ async fn run_once(n: usize) -> Result<Run> {
     let dir = dphandler_tests::tempdir()?;
     let socket = dir.path().join("dp.sock");
     let ns = Netns::new("bench")?;
-    // Default settings, logs off the hot path.
-    let daemon = Daemon::start(&ns, &socket, &["--log", "warn"])?;
+    // Default settings, logs off the hot path, and --dry-run: the API path
+    // only, no kernel work (the IP-set and iptables benchmarks measure that).
+    let daemon = Daemon::start(&ns, &socket, &["--log", "warn", "--dry-run"])?;
     let mut client = daemon.connect().await?;
     let started = Instant::now();
     let mut replies = client

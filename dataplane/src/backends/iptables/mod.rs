@@ -194,6 +194,14 @@ fn is_builtin(chain: &str) -> bool {
     BUILTINS.contains(&chain)
 }
 
+/// A chain we want, with what is derived from its rules once.
+#[derive(Debug, Clone, PartialEq)]
+struct DesiredChain {
+    rules: Vec<Rule>,
+    hashes: Vec<String>,
+    targets: Vec<String>,
+}
+
 /// One table of one IP version.
 #[derive(Debug)]
 pub struct Table {
@@ -202,7 +210,12 @@ pub struct Table {
     own: Ownership,
     mode: InsertMode,
     exec: Box<dyn IptablesExec>,
-    chains: BTreeMap<String, Vec<Rule>>,
+    chains: BTreeMap<String, DesiredChain>,
+    /// Chains changed since the last successful write (only these are
+    /// diffed, unless the table was just read).
+    touched: BTreeSet<String>,
+    /// The table was (re-)read: diff every chain.
+    full_diff: bool,
     forced: BTreeSet<String>,
     hooks: BTreeMap<String, Vec<Rule>>,
     observed: Option<BTreeMap<String, ObservedChain>>,
@@ -226,6 +239,8 @@ impl Table {
             mode,
             exec,
             chains: BTreeMap::new(),
+            touched: BTreeSet::new(),
+            full_diff: true,
             forced: BTreeSet::new(),
             hooks: BTreeMap::new(),
             observed: None,
@@ -248,8 +263,17 @@ impl Table {
         if !name.starts_with(&self.own.chain_prefix) {
             return Err(RuleError::ChainName(name.to_string()));
         }
-        if self.chains.get(name) != Some(&rules) {
-            self.chains.insert(name.to_string(), rules);
+        if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
+            let chain = DesiredChain {
+                hashes: rule_hashes(name, &rules),
+                targets: rules
+                    .iter()
+                    .filter_map(|r| r.target().map(str::to_string))
+                    .collect(),
+                rules,
+            };
+            self.chains.insert(name.to_string(), chain);
+            self.touched.insert(name.to_string());
             self.changed = true;
         }
         Ok(())
@@ -258,6 +282,7 @@ impl Table {
     /// Chain `name` is no longer wanted.
     pub fn remove_chain(&mut self, name: &str) {
         if self.chains.remove(name).is_some() {
+            self.touched.remove(name);
             self.forced.remove(name);
             self.changed = true;
         }
@@ -297,11 +322,11 @@ impl Table {
             todo.extend(rules.iter().filter_map(|r| r.target().map(str::to_string)));
         }
         while let Some(c) = todo.pop() {
-            let Some(rules) = self.chains.get(&c) else {
+            let Some(chain) = self.chains.get(&c) else {
                 continue;
             };
             if out.insert(c) {
-                todo.extend(rules.iter().filter_map(|r| r.target().map(str::to_string)));
+                todo.extend(chain.targets.iter().cloned());
             }
         }
         out
@@ -315,75 +340,107 @@ impl Table {
     fn read(&mut self) -> Result<(), BackendError> {
         let text = self.exec.save(self.table)?;
         self.observed = Some(save::parse(&text, &self.own.comment_prefix));
+        self.full_diff = true;
         Ok(())
     }
 
-    /// `<head> -m comment --comment "<prefix><hash>" <rule>`, where head
-    /// is e.g. `-A dph-x`, `-R dph-x 3` or `-I INPUT 1`.
-    fn line(&self, out: &mut String, head: &str, hash: &str, rule: &Rule) {
-        let _ = writeln!(
-            out,
-            "{head} -m comment --comment \"{}{hash}\" {}",
-            self.own.comment_prefix, rule.text
-        );
+    /// `<verb> <chain> [<pos>] -m comment --comment "<prefix><hash>" <rule>`,
+    /// e.g. `-A dph-x …`, `-R dph-x 3 …` or `-I INPUT 1 …`.
+    fn line(
+        &self,
+        out: &mut String,
+        verb: &str,
+        chain: &str,
+        pos: Option<usize>,
+        hash: &str,
+        rule: &Rule,
+    ) {
+        out.push_str(verb);
+        out.push(' ');
+        out.push_str(chain);
+        if let Some(p) = pos {
+            let _ = write!(out, " {p}");
+        }
+        out.push_str(" -m comment --comment \"");
+        out.push_str(&self.own.comment_prefix);
+        out.push_str(hash);
+        out.push_str("\" ");
+        out.push_str(&rule.text);
+        out.push('\n');
     }
 
-    /// The restore input that brings `observed` to the desired state, and
-    /// the observed state it leaves.
-    fn render(
-        &self,
-        observed: &BTreeMap<String, ObservedChain>,
-    ) -> (String, BTreeMap<String, ObservedChain>) {
+    /// The restore input that brings `observed` to the desired state;
+    /// `observed` is updated to what the kernel holds once it is applied.
+    fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> String {
         let programmed = self.programmed();
         let mut decl = String::new();
         let mut body = String::new();
-        let mut after = observed.clone();
-        // Our chains.
+        // Our chains: every one after a read, otherwise those changed since
+        // the last write and those newly reached.
         for name in &programmed {
-            let rules = &self.chains[name];
-            let hashes = rule_hashes(name, rules);
-            let empty = ObservedChain::default();
-            let old = match observed.get(name) {
-                Some(o) => o,
-                None => {
-                    let _ = writeln!(decl, ":{name} - [0:0]");
-                    &empty
+            let fresh = !observed.contains_key(name);
+            if !(fresh || self.full_diff || self.touched.contains(name)) {
+                continue;
+            }
+            let chain = &self.chains[name];
+            let old = observed.entry(name.clone()).or_default();
+            if fresh {
+                let _ = writeln!(decl, ":{name} - [0:0]");
+            }
+            let edits = chain
+                .hashes
+                .iter()
+                .enumerate()
+                .filter(|(i, h)| {
+                    old.rules
+                        .get(*i)
+                        .is_some_and(|(o, _)| o.as_deref() != Some(h.as_str()))
+                })
+                .count()
+                + old.rules.len().saturating_sub(chain.rules.len());
+            if !fresh && edits > 0 && chain.rules.len() + 1 < 2 * edits {
+                // Most of the chain changes: flush and write it whole, in
+                // the same transaction. Under --noflush, declaring an
+                // existing chain flushes it; that is much cheaper for
+                // iptables-nft than `-F` or replacing rule by rule, which
+                // look up each rule.
+                let _ = writeln!(decl, ":{name} - [0:0]");
+                for (rule, hash) in chain.rules.iter().zip(&chain.hashes) {
+                    self.line(&mut body, "-A", name, None, hash, rule);
                 }
-            };
-            for (i, (rule, hash)) in rules.iter().zip(&hashes).enumerate() {
-                match old.rules.get(i) {
-                    Some((Some(h), _)) if h == hash => {}
-                    Some(_) => self.line(&mut body, &format!("-R {name} {}", i + 1), hash, rule),
-                    None => self.line(&mut body, &format!("-A {name}"), hash, rule),
+            } else {
+                for (i, (rule, hash)) in chain.rules.iter().zip(&chain.hashes).enumerate() {
+                    match old.rules.get(i) {
+                        Some((Some(h), _)) if h == hash => {}
+                        Some(_) => self.line(&mut body, "-R", name, Some(i + 1), hash, rule),
+                        None => self.line(&mut body, "-A", name, None, hash, rule),
+                    }
+                }
+                for j in (chain.rules.len()..old.rules.len()).rev() {
+                    let _ = writeln!(body, "-D {name} {}", j + 1);
                 }
             }
-            for j in (rules.len()..old.rules.len()).rev() {
-                let _ = writeln!(body, "-D {name} {}", j + 1);
-            }
-            after.insert(
-                name.clone(),
-                ObservedChain {
-                    rules: hashes
-                        .into_iter()
-                        .zip(rules)
-                        .map(|(h, r)| (Some(h), r.text.clone()))
-                        .collect(),
-                },
-            );
+            // The spec of a rule in our own chains is never needed (we
+            // address them by position): keep only the hash.
+            old.rules = chain
+                .hashes
+                .iter()
+                .map(|h| (Some(h.clone()), String::new()))
+                .collect();
         }
         // Our rules in the built-in chains.
-        let builtins: BTreeSet<&str> = self
+        let builtins: BTreeSet<String> = self
             .hooks
             .keys()
-            .map(String::as_str)
+            .cloned()
             .chain(
                 observed
                     .iter()
                     .filter(|(n, c)| is_builtin(n) && c.rules.iter().any(|r| r.0.is_some()))
-                    .map(|(n, _)| n.as_str()),
+                    .map(|(n, _)| n.clone()),
             )
             .collect();
-        for b in builtins {
+        for b in &builtins {
             let want = self.hooks.get(b).cloned().unwrap_or_default();
             let hashes = rule_hashes(b, &want);
             let old = observed.get(b).cloned().unwrap_or_default();
@@ -411,12 +468,7 @@ impl Table {
             for (_, spec) in &ours {
                 let _ = writeln!(body, "-D {b} {spec}");
             }
-            let foreign: Vec<(Option<String>, String)> = old
-                .rules
-                .iter()
-                .filter(|r| r.0.is_none())
-                .cloned()
-                .collect();
+            let foreign = old.rules.iter().filter(|r| r.0.is_none()).cloned();
             let mine: Vec<(Option<String>, String)> = hashes
                 .iter()
                 .zip(&want)
@@ -433,67 +485,70 @@ impl Table {
             let rules = match self.mode {
                 InsertMode::Insert => {
                     for (i, (rule, hash)) in want.iter().zip(&hashes).enumerate() {
-                        self.line(&mut body, &format!("-I {b} {}", i + 1), hash, rule);
+                        self.line(&mut body, "-I", b, Some(i + 1), hash, rule);
                     }
                     mine.into_iter().chain(foreign).collect()
                 }
                 InsertMode::Append => {
                     for (rule, hash) in want.iter().zip(&hashes) {
-                        self.line(&mut body, &format!("-A {b}"), hash, rule);
+                        self.line(&mut body, "-A", b, None, hash, rule);
                     }
-                    foreign.into_iter().chain(mine).collect()
+                    foreign.chain(mine).collect()
                 }
             };
-            after.insert(b.to_string(), ObservedChain { rules });
+            observed.insert(b.clone(), ObservedChain { rules });
         }
         // Chains of ours that are no longer programmed: flushed first (their
         // rules may reference each other), deleted last.
-        let stale: Vec<&String> = observed
+        let stale: Vec<String> = observed
             .keys()
             .filter(|n| n.starts_with(&self.own.chain_prefix) && !programmed.contains(*n))
+            .cloned()
             .collect();
         for n in &stale {
             let _ = writeln!(body, "-F {n}");
         }
         for n in &stale {
             let _ = writeln!(body, "-X {n}");
-            after.remove(*n);
+            observed.remove(n);
         }
         if decl.is_empty() && body.is_empty() {
-            return (String::new(), after);
+            return String::new();
         }
-        (format!("*{}\n{decl}{body}COMMIT\n", self.table), after)
+        format!("*{}\n{decl}{body}COMMIT\n", self.table)
     }
 
     fn apply_table(&mut self) -> Result<ApplyOutcome, BackendError> {
-        let recheck = self.recheck_at.is_some_and(|t| Instant::now() >= t);
-        if recheck {
+        if self.recheck_at.is_some_and(|t| Instant::now() >= t) {
             self.recheck_at = None;
             self.observed = None;
         }
-        if self.observed.is_none()
-            && let Err(e) = self.read()
-        {
-            return Err(e);
+        if self.observed.is_none() {
+            self.read()?;
         }
-        let observed = self.observed.as_ref().expect("read above");
-        let (input, after) = self.render(observed);
+        let mut observed = self.observed.take().expect("read above");
+        let input = self.render(&mut observed);
         if input.is_empty() {
-            self.changed = false;
+            self.observed = Some(observed);
+            self.done();
             return Ok(ApplyOutcome::default());
         }
         debug!(table = self.table, bytes = input.len(), "iptables-restore");
-        if let Err(e) = self.exec.restore(&input) {
-            // We no longer know what the table holds: read it again.
-            self.observed = None;
-            return Err(e);
-        }
-        self.observed = Some(after);
-        self.changed = false;
+        // On failure `observed` is dropped: we no longer know what the
+        // table holds, and read it again next time.
+        self.exec.restore(&input)?;
+        self.observed = Some(observed);
+        self.done();
         self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);
         Ok(ApplyOutcome {
             reschedule_after: Some(POST_WRITE_CHECK),
         })
+    }
+
+    fn done(&mut self) {
+        self.changed = false;
+        self.full_diff = false;
+        self.touched.clear();
     }
 }
 

@@ -202,9 +202,26 @@ fn existing_state_is_adopted_and_changes_are_minimal() {
     );
 
     // Shorter chain: deletions from the end.
-    t.set_chain("dph-x", vec![r(rules[0])]).unwrap();
+    let two: Vec<Rule> = vec![r(rules[0]), r(rules[1])];
+    t.set_chain("dph-x", two).unwrap();
     t.apply(Phase::Tables).unwrap();
-    assert_eq!(last(&rec), "*filter\n-D dph-x 3\n-D dph-x 2\nCOMMIT\n");
+    assert_eq!(last(&rec), "*filter\n-D dph-x 3\nCOMMIT\n");
+
+    // Most of a chain changes: it is declared (which flushes it under
+    // --noflush) and written whole, in the same transaction.
+    let other: Vec<Rule> = vec![r("-j REJECT"), r("-j DROP")];
+    let ho = rule_hashes("dph-x", &other);
+    t.set_chain("dph-x", other).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        last(&rec),
+        format!(
+            "*filter\n:dph-x - [0:0]\n\
+             -A dph-x -m comment --comment \"dph:{}\" -j REJECT\n\
+             -A dph-x -m comment --comment \"dph:{}\" -j DROP\nCOMMIT\n",
+            ho[0], ho[1]
+        )
+    );
 }
 
 #[test]
