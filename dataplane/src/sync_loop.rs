@@ -91,7 +91,12 @@ pub struct LoopConfig {
     pub throttle_burst: u32,
     pub throttle_period: Duration,
     pub drain_max: usize,
+    /// The longest wait before a failed apply is retried (Felix's retry
+    /// tick).
     pub retry_interval: Duration,
+    /// The first retry's wait; each further consecutive failure doubles it,
+    /// up to `retry_interval`.
+    pub retry_first: Duration,
     pub ipset_refresh: Duration,
     pub route_refresh: Duration,
     pub xdp_refresh: Duration,
@@ -110,6 +115,7 @@ impl Default for LoopConfig {
             throttle_period: Duration::from_millis(100),
             drain_max: 100,
             retry_interval: Duration::from_secs(10),
+            retry_first: Duration::from_millis(100),
             ipset_refresh: Duration::from_secs(90),
             route_refresh: Duration::from_secs(90),
             xdp_refresh: Duration::from_secs(90),
@@ -190,6 +196,8 @@ pub struct SyncLoop {
     in_sync_sent: bool,
     pending_refresh: Vec<Refresh>,
     retry_at: Option<Instant>,
+    /// Consecutive failed applies.
+    failures: u32,
     reschedule_at: Option<Instant>,
     refill_at: Option<Instant>,
 }
@@ -221,6 +229,7 @@ impl SyncLoop {
             in_sync_sent: false,
             pending_refresh: Vec::new(),
             retry_at: None,
+            failures: 0,
             reschedule_at: None,
             refill_at: None,
         }
@@ -523,14 +532,21 @@ impl SyncLoop {
         let still_dirty = kernel.any_dirty();
         self.kernel = Some(kernel);
         if let Some(e) = error {
-            warn!(error = %e, retry_in = ?self.cfg.retry_interval, "apply failed");
+            let wait = self
+                .cfg
+                .retry_first
+                .saturating_mul(1u32 << self.failures.min(20))
+                .min(self.cfg.retry_interval);
+            self.failures += 1;
+            warn!(error = %e, retry_in = ?wait, "apply failed");
             self.status.failed_applies += 1;
             self.status.last_error = Some(e);
             self.dirty = true;
-            self.retry_at = Some(Instant::now() + self.cfg.retry_interval);
+            self.retry_at = Some(Instant::now() + wait);
             return;
         }
         self.status.last_error = None;
+        self.failures = 0;
         if still_dirty {
             // Something is left for another pass (the throttle paces it):
             // wake up for it even if nothing else happens.

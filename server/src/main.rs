@@ -245,13 +245,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             names.clone(),
             Box::new(IpsetTool::default()),
         ));
-        kernel.tables.push(Table::new(
-            "filter",
-            v,
-            Ownership::new(&args.prefix),
-            args.chain_insert_mode,
-            Box::new(IptablesTool::new(flavor, v, Vec::new())),
-        ));
+        // One object per table: raw, mangle and nat hold nothing of ours
+        // yet (policy rendering fills them); they are read, never written
+        // while empty.
+        for table in ["raw", "mangle", "nat", "filter"] {
+            kernel.tables.push(Table::new(
+                table,
+                v,
+                Ownership::new(&args.prefix),
+                args.chain_insert_mode,
+                Box::new(IptablesTool::new(flavor, v, Vec::new())),
+            ));
+        }
     }
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(IpSetsManager::new(args.max_ipset_size)),

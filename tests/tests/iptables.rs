@@ -92,6 +92,11 @@ async fn hooks_survive_restarts_without_a_gap_and_foreign_rules_stay() -> Result
         "our hook is on top: {s:#?}"
     );
     assert_eq!(foreign(&s), planted);
+    for t in ["raw", "mangle", "nat"] {
+        let text =
+            String::from_utf8_lossy(&ns.run("iptables-nft-save", &["-t", t])?.stdout).into_owned();
+        assert!(!text.contains("dph"), "nothing of ours in {t} yet: {text}");
+    }
     assert!(d.stop()?.success());
     assert_eq!(
         save(&ns, "iptables-nft-save")?,

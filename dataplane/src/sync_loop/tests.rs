@@ -23,6 +23,7 @@ struct Harness {
 fn fast_config() -> LoopConfig {
     LoopConfig {
         retry_interval: Duration::from_millis(300),
+        retry_first: Duration::from_millis(300),
         ipset_refresh: Duration::ZERO,
         route_refresh: Duration::ZERO,
         xdp_refresh: Duration::ZERO,
@@ -258,6 +259,34 @@ async fn failing_backend_is_retried_and_in_sync_waits_for_success() {
     assert_eq!(st.last_error, None);
     assert_eq!(h.backend.lock().calls, 3);
     assert_eq!(*h.programmed.borrow(), 2, "programmed only after success");
+}
+
+#[tokio::test]
+async fn retries_back_off_from_the_first_wait_up_to_the_retry_interval() {
+    let cfg = LoopConfig {
+        retry_first: Duration::from_millis(20),
+        retry_interval: Duration::from_secs(5),
+        ..fast_config()
+    };
+    let mut h = start(cfg).await;
+    h.backend.lock().fail_on = vec![1, 2, 3];
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    let t0 = std::time::Instant::now();
+    send(&h, 1, 2, Update::InSync).await;
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    let took = t0.elapsed();
+    // 20 + 40 + 80 ms of waits, well under the 5 s cap.
+    assert!(
+        took >= Duration::from_millis(140),
+        "retried too early: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "no backoff from the first wait: {took:?}"
+    );
+    assert_eq!(st.failed_applies, 3);
+    assert_eq!(h.backend.lock().calls, 4);
 }
 
 #[tokio::test]
