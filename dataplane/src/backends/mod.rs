@@ -93,6 +93,55 @@ impl BackendError {
     }
 }
 
+/// The standard input for a kernel tool that reads a script: an unlinked
+/// temporary file holding `input`, or `None` to fall back to a pipe (no
+/// writable temporary directory). A file is read in big blocks; a pipe
+/// makes the writer and the tool take turns every 64 KiB, which cost
+/// ~100 ms more for a 6 MB iptables-restore input (measured).
+pub(crate) fn script_file(input: &str) -> Option<std::fs::File> {
+    use std::io::{Seek, Write};
+    let mut f = tempfile::tempfile().ok()?;
+    f.write_all(input.as_bytes()).ok()?;
+    f.rewind().ok()?;
+    Some(f)
+}
+
+/// How a script reaches a tool's standard input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScriptInput {
+    /// Through a pipe, written while the tool reads (best for `ipset
+    /// restore`: it works as the lines arrive; a 20 MB file first written
+    /// to disk made a 1M-member load 10–30% slower, measured).
+    Pipe,
+    /// From a temporary file (best for `iptables-restore`; see
+    /// [`script_file`]).
+    File,
+}
+
+/// Runs `cmd` with `input` on its standard input; returns its output.
+/// `Err` only when it could not be run at all.
+pub(crate) fn run_with_input(
+    cmd: &mut std::process::Command,
+    input: &str,
+    how: ScriptInput,
+) -> std::io::Result<std::process::Output> {
+    use std::io::Write;
+    use std::process::Stdio;
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    if how == ScriptInput::File
+        && let Some(f) = script_file(input)
+    {
+        return cmd.stdin(f).output();
+    }
+    let mut child = cmd.stdin(Stdio::piped()).spawn()?;
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    // A write error means the tool stopped reading (it failed on a line);
+    // its exit status and stderr say why.
+    let _ = stdin.write_all(input.as_bytes());
+    drop(stdin);
+    child.wait_with_output()
+}
+
 /// One kernel object the loop drives.
 pub trait Backend: Send {
     fn name(&self) -> &'static str;

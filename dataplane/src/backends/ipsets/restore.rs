@@ -3,7 +3,6 @@
 //! fails beyond ~1 KiB of output, it has no swap and is `!Send`; spawning
 //! `ipset restore` with the script on stdin is as fast and atomic per line.
 
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use super::IpSetExec;
@@ -63,21 +62,11 @@ impl IpSetExec for IpsetTool {
     }
 
     fn restore(&mut self, script: &str) -> Result<(), BackendError> {
-        let mut child = Command::new(&self.program)
-            .args(["restore", "-exist"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(io(format!("running {} restore", self.program)))?;
-        let mut stdin = child.stdin.take().expect("stdin is piped");
-        // A write error means ipset stopped reading (it failed on a line);
-        // its exit status and stderr say why.
-        let write = stdin.write_all(script.as_bytes());
-        drop(stdin);
-        let out = child
-            .wait_with_output()
-            .map_err(io(format!("waiting for {} restore", self.program)))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(["restore", "-exist"]);
+        let out =
+            crate::backends::run_with_input(&mut cmd, script, crate::backends::ScriptInput::Pipe)
+                .map_err(io(format!("running {} restore", self.program)))?;
         if !out.status.success() {
             return Err(BackendError::Command {
                 backend: BACKEND,
@@ -86,6 +75,6 @@ impl IpSetExec for IpsetTool {
                 stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
             });
         }
-        write.map_err(io(format!("writing to {} restore", self.program)))
+        Ok(())
     }
 }

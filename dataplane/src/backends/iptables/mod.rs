@@ -221,6 +221,10 @@ pub struct Table {
     observed: Option<BTreeMap<String, ObservedChain>>,
     /// Desired state changed since the last successful write.
     changed: bool,
+    /// What is programmed may have changed (hooks, forced chains, jumps,
+    /// removals): the next render looks at every chain, hook and stale
+    /// chain, not only at the chains touched.
+    reshaped: bool,
     recheck_at: Option<Instant>,
 }
 
@@ -245,6 +249,7 @@ impl Table {
             hooks: BTreeMap::new(),
             observed: None,
             changed: true,
+            reshaped: true,
             recheck_at: None,
         }
     }
@@ -272,6 +277,9 @@ impl Table {
                     .collect(),
                 rules,
             };
+            if self.chains.get(name).map(|c| &c.targets) != Some(&chain.targets) {
+                self.reshaped = true;
+            }
             self.chains.insert(name.to_string(), chain);
             self.touched.insert(name.to_string());
             self.changed = true;
@@ -283,6 +291,7 @@ impl Table {
     pub fn remove_chain(&mut self, name: &str) {
         if self.chains.remove(name).is_some() {
             self.touched.remove(name);
+            self.reshaped = true;
             self.forced.remove(name);
             self.changed = true;
         }
@@ -291,6 +300,7 @@ impl Table {
     /// Program `name` even if nothing references it.
     pub fn force(&mut self, name: &str) {
         if self.forced.insert(name.to_string()) {
+            self.reshaped = true;
             self.changed = true;
         }
     }
@@ -308,6 +318,7 @@ impl Table {
             } else {
                 self.hooks.insert(builtin.to_string(), rules);
             }
+            self.reshaped = true;
             self.changed = true;
         }
         Ok(())
@@ -369,64 +380,93 @@ impl Table {
         out.push('\n');
     }
 
+    /// The lines that bring our chain `name` from what `observed` has to
+    /// what we want; `observed` is updated to match.
+    fn render_chain(
+        &self,
+        name: &str,
+        observed: &mut BTreeMap<String, ObservedChain>,
+        decl: &mut String,
+        body: &mut String,
+    ) {
+        let fresh = !observed.contains_key(name);
+        let chain = &self.chains[name];
+        let old = observed.entry(name.to_string()).or_default();
+        if fresh {
+            let _ = writeln!(*decl, ":{name} - [0:0]");
+        }
+        let edits = chain
+            .hashes
+            .iter()
+            .enumerate()
+            .filter(|(i, h)| {
+                old.rules
+                    .get(*i)
+                    .is_some_and(|(o, _)| o.as_deref() != Some(h.as_str()))
+            })
+            .count()
+            + old.rules.len().saturating_sub(chain.rules.len());
+        if !fresh && edits > 0 && chain.rules.len() + 1 < 2 * edits {
+            // Most of the chain changes: flush and write it whole, in
+            // the same transaction. Under --noflush, declaring an
+            // existing chain flushes it; that is much cheaper for
+            // iptables-nft than `-F` or replacing rule by rule, which
+            // look up each rule.
+            let _ = writeln!(*decl, ":{name} - [0:0]");
+            for (rule, hash) in chain.rules.iter().zip(&chain.hashes) {
+                self.line(body, "-A", name, None, hash, rule);
+            }
+        } else {
+            for (i, (rule, hash)) in chain.rules.iter().zip(&chain.hashes).enumerate() {
+                match old.rules.get(i) {
+                    Some((Some(h), _)) if h == hash => {}
+                    Some(_) => self.line(body, "-R", name, Some(i + 1), hash, rule),
+                    None => self.line(body, "-A", name, None, hash, rule),
+                }
+            }
+            for j in (chain.rules.len()..old.rules.len()).rev() {
+                let _ = writeln!(*body, "-D {name} {}", j + 1);
+            }
+        }
+        // The spec of a rule in our own chains is never needed (we
+        // address them by position): keep only the hash.
+        old.rules = chain
+            .hashes
+            .iter()
+            .map(|h| (Some(h.clone()), String::new()))
+            .collect();
+    }
+
     /// The restore input that brings `observed` to the desired state;
     /// `observed` is updated to what the kernel holds once it is applied.
     fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> String {
-        let programmed = self.programmed();
         let mut decl = String::new();
         let mut body = String::new();
+        let whole = self.full_diff || self.reshaped;
+        if !whole {
+            // Nothing but rule changes in chains that stay programmed:
+            // after our last write (or adoption) the chains of ours in
+            // `observed` are exactly the programmed ones, so only the
+            // touched ones need a look. Hooks and stale chains are as
+            // they were.
+            for name in &self.touched {
+                if observed.contains_key(name) {
+                    self.render_chain(name, observed, &mut decl, &mut body);
+                }
+            }
+            if decl.is_empty() && body.is_empty() {
+                return String::new();
+            }
+            return format!("*{}\n{decl}{body}COMMIT\n", self.table);
+        }
+        let programmed = self.programmed();
         // Our chains: every one after a read, otherwise those changed since
         // the last write and those newly reached.
         for name in &programmed {
             let fresh = !observed.contains_key(name);
-            if !(fresh || self.full_diff || self.touched.contains(name)) {
-                continue;
+            if fresh || self.full_diff || self.touched.contains(name) {
+                self.render_chain(name, observed, &mut decl, &mut body);
             }
-            let chain = &self.chains[name];
-            let old = observed.entry(name.clone()).or_default();
-            if fresh {
-                let _ = writeln!(decl, ":{name} - [0:0]");
-            }
-            let edits = chain
-                .hashes
-                .iter()
-                .enumerate()
-                .filter(|(i, h)| {
-                    old.rules
-                        .get(*i)
-                        .is_some_and(|(o, _)| o.as_deref() != Some(h.as_str()))
-                })
-                .count()
-                + old.rules.len().saturating_sub(chain.rules.len());
-            if !fresh && edits > 0 && chain.rules.len() + 1 < 2 * edits {
-                // Most of the chain changes: flush and write it whole, in
-                // the same transaction. Under --noflush, declaring an
-                // existing chain flushes it; that is much cheaper for
-                // iptables-nft than `-F` or replacing rule by rule, which
-                // look up each rule.
-                let _ = writeln!(decl, ":{name} - [0:0]");
-                for (rule, hash) in chain.rules.iter().zip(&chain.hashes) {
-                    self.line(&mut body, "-A", name, None, hash, rule);
-                }
-            } else {
-                for (i, (rule, hash)) in chain.rules.iter().zip(&chain.hashes).enumerate() {
-                    match old.rules.get(i) {
-                        Some((Some(h), _)) if h == hash => {}
-                        Some(_) => self.line(&mut body, "-R", name, Some(i + 1), hash, rule),
-                        None => self.line(&mut body, "-A", name, None, hash, rule),
-                    }
-                }
-                for j in (chain.rules.len()..old.rules.len()).rev() {
-                    let _ = writeln!(body, "-D {name} {}", j + 1);
-                }
-            }
-            // The spec of a rule in our own chains is never needed (we
-            // address them by position): keep only the hash.
-            old.rules = chain
-                .hashes
-                .iter()
-                .map(|h| (Some(h.clone()), String::new()))
-                .collect();
         }
         // Our rules in the built-in chains.
         let builtins: BTreeSet<String> = self
@@ -547,6 +587,7 @@ impl Table {
 
     fn done(&mut self) {
         self.changed = false;
+        self.reshaped = false;
         self.full_diff = false;
         self.touched.clear();
     }
