@@ -6,5 +6,6 @@ pub mod backends;
 pub mod interfaces;
 pub mod managers;
 pub mod model;
+pub mod rules;
 pub mod session;
 pub mod sync_loop;

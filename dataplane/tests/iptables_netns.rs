@@ -288,3 +288,123 @@ fn detection_follows_the_rules_already_there() -> Result<()> {
     assert_eq!(detect(&w), Flavor::Legacy, "legacy holds the rules");
     Ok(())
 }
+
+/// Every form the rule renderer produces is accepted by the real
+/// iptables-restore (v4 and v6, nft), with the IP sets it names in place.
+#[test]
+fn rendered_rules_load_into_the_kernel() -> Result<()> {
+    use dphandler_dataplane::model::ipsets::SetNames;
+    use dphandler_dataplane::model::{Action, IcmpMatch, Id, PortRange, Protocol, Rule as M};
+    use dphandler_dataplane::rules::{Marks, Renderer};
+    if !privileged() {
+        return Ok(());
+    }
+    let ns = Netns::new("iptrules")?;
+    for (name, ty, fam) in [
+        ("dph40s:a", "hash:ip", "inet"),
+        ("dph40n:p", "hash:ip,port", "inet"),
+        ("dph60s:a", "hash:ip", "inet6"),
+        ("dph60n:p", "hash:ip,port", "inet6"),
+    ] {
+        ns.exec(&["ipset", "create", name, ty, "family", fam])?;
+    }
+    let id = |s: &str| Id::new(s).unwrap();
+    let pr = |a: u16, b: u16| PortRange { first: a, last: b };
+    let many: Vec<PortRange> = (0..10).map(|i| pr(1000 + i * 10, 1005 + i * 10)).collect();
+    let rules = vec![
+        M {
+            protocol: Some(Protocol::TCP),
+            src_ip_set_ids: vec![id("s:a")],
+            dst_ports: vec![pr(80, 80), pr(8000, 8100)],
+            ..M::default()
+        },
+        M {
+            action: Some(Action::Deny),
+            src_net: vec![
+                "10.0.0.0/8".parse()?,
+                "192.168.0.0/16".parse()?,
+                "fd00::/8".parse()?,
+                "fd01::/16".parse()?,
+            ],
+            dst_net: vec!["10.9.0.0/16".parse()?, "fd09::/16".parse()?],
+            ..M::default()
+        },
+        M {
+            protocol: Some(Protocol::UDP),
+            dst_ports: many,
+            dst_named_port_ip_set_ids: vec![id("n:p")],
+            src_named_port_ip_set_ids: vec![id("n:p")],
+            ..M::default()
+        },
+        M {
+            action: Some(Action::Pass),
+            protocol: Some(Protocol::ICMP),
+            icmp: Some(IcmpMatch {
+                icmp_type: 8,
+                code: Some(0),
+            }),
+            not_src_net: vec!["10.1.0.0/16".parse()?],
+            not_dst_ip_set_ids: vec![id("s:a")],
+            ..M::default()
+        },
+        M {
+            action: Some(Action::Log),
+            protocol: Some(Protocol::ICMPV6),
+            not_icmp: Some(IcmpMatch {
+                icmp_type: 128,
+                code: None,
+            }),
+            ..M::default()
+        },
+        M {
+            action: Some(Action::Deny),
+            protocol: Some(Protocol::TCP),
+            not_protocol: Some(Protocol::UDP),
+            not_dst_ports: vec![pr(22, 22), pr(80, 90)],
+            dst_ip_port_set_ids: vec![id("n:p")],
+            not_src_named_port_ip_set_ids: vec![id("n:p")],
+            ..M::default()
+        },
+        M {
+            protocol: Some(Protocol(47)),
+            ..M::default()
+        },
+    ];
+    for v in [IpVersion::V4, IpVersion::V6] {
+        let r = Renderer {
+            sets: SetNames::new("dph")?,
+            marks: Marks::default(),
+            version: v,
+            log_prefix: "dph-policy".into(),
+        };
+        let rendered = r.rules(&rules)?;
+        assert!(rendered.len() >= 10, "{v:?}: {}", rendered.len());
+        let tool = IptablesTool::new(
+            Flavor::Nft,
+            v,
+            vec!["ip".into(), "netns".into(), "exec".into(), ns.0.clone()],
+        );
+        let mut t = Table::new(
+            "filter",
+            v,
+            Ownership::new("dph"),
+            InsertMode::Insert,
+            Box::new(tool),
+        );
+        t.set_chain("dph-pi-test", rendered.clone())?;
+        t.set_hooks("INPUT", vec![Rule::parse("-j dph-pi-test")?])?;
+        t.apply(Phase::Tables)
+            .map_err(|e| anyhow::anyhow!("{v:?}: iptables refused a rendered rule: {e}"))?;
+        let save = match v {
+            IpVersion::V4 => "iptables-nft-save",
+            IpVersion::V6 => "ip6tables-nft-save",
+        };
+        let n = ns
+            .exec(&[save, "-t", "filter"])?
+            .lines()
+            .filter(|l| l.starts_with("-A dph-pi-test"))
+            .count();
+        assert_eq!(n, rendered.len(), "{v:?}");
+    }
+    Ok(())
+}
