@@ -12,8 +12,13 @@ use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
-use dphandler_dataplane::managers::{Manager, ipsets::IpSetsManager, tables::StaticChainsManager};
+use dphandler_dataplane::managers::{
+    Manager,
+    endpoints::{EndpointsConfig, EndpointsManager},
+    ipsets::IpSetsManager,
+};
 use dphandler_dataplane::model::{IpVersion, ipsets::SetNames};
+use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::v1::dataplane_server::DataplaneServer;
 use dphandler_server::limits;
@@ -130,6 +135,9 @@ struct ServeArgs {
     /// the API path).
     #[arg(long, env = "DPH_DRY_RUN")]
     dry_run: bool,
+    /// Name prefix of workload interfaces (Felix's InterfacePrefix).
+    #[arg(long, env = "DPH_WORKLOAD_IFACE_PREFIX", default_value = "cali")]
+    workload_iface_prefix: String,
     /// Program IPv6 as well as IPv4.
     #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     ipv6: bool,
@@ -227,6 +235,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let names =
         SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
+    if args.workload_iface_prefix.is_empty()
+        || args.workload_iface_prefix.len() > 14
+        || !args
+            .workload_iface_prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    {
+        bail!("--workload-iface-prefix must be 1-14 characters of [A-Za-z0-9._-]");
+    }
     if args.max_ipset_size == 0 {
         bail!("--max-ipset-size must be at least 1");
     }
@@ -260,7 +277,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(IpSetsManager::new(args.max_ipset_size)),
-        Box::new(StaticChainsManager::new(&args.prefix)),
+        Box::new(EndpointsManager::new(
+            EndpointsConfig {
+                prefix: args.prefix.clone(),
+                workload_prefix: args.workload_iface_prefix.clone(),
+                marks: Marks::default(),
+            },
+            names.clone(),
+        )),
     ];
     let (kernel, managers) = if args.dry_run {
         warn!("--dry-run: nothing will be programmed in the kernel");

@@ -3,8 +3,8 @@
 //! loop applies, queue desired state into the backend objects of
 //! [`DesiredKernel`] in `complete_deferred_work`.
 
+pub mod endpoints;
 pub mod ipsets;
-pub mod tables;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;

@@ -1,0 +1,351 @@
+//! Policy enforcement for workload endpoints in the filter table, as
+//! Felix's `endpoint_mgr.go` and `rules/` lay it out. No I/O here: it sets
+//! chains in the filter table objects of every IP version.
+//!
+//! - `<prefix>-FORWARD`, hooked from FORWARD: traffic from a workload
+//!   interface goes through `<prefix>-from-wl-dispatch`, traffic to one
+//!   through `<prefix>-to-wl-dispatch`; what they accepted (accept mark) is
+//!   accepted.
+//! - `<prefix>-INPUT`, hooked from INPUT: traffic from a workload to the
+//!   host goes through the workload's egress policy, then is accepted if
+//!   allowed and dropped otherwise (Felix's DefaultEndpointToHostAction
+//!   DROP). `<prefix>-OUTPUT` is hooked and empty: the host may reach its
+//!   workloads (kubelet probes), as in Felix.
+//! - The dispatch chains send each known workload interface to its own
+//!   chain and drop every other workload interface (fail closed).
+//! - `<prefix>-tw-<iface>` (to the workload: ingress) and `<prefix>-fw-
+//!   <iface>` (from it: egress): conntrack established/related accept,
+//!   invalid drop, the marks cleared, then per tier each policy's chain
+//!   (while no policy of the tier passed), return when accepted, the tier's
+//!   default drop unless it passes; then the profiles; then drop. An
+//!   endpoint that is administratively down gets a single drop rule.
+//! - Policy and profile chains (`<prefix>-pi-…`, `-po-…`, `-pri-…`,
+//!   `-pro-…`) hold the rendered rules; only those an endpoint uses are
+//!   programmed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Manager, ManagerError};
+use crate::backends::DesiredKernel;
+use crate::backends::iptables::{Rule, RuleError};
+use crate::model::ipsets::SetNames;
+use crate::model::{
+    EndpointState, Id, IpVersion, Key, Policy, PolicyId, Profile, TierDefault, Update,
+    WorkloadEndpoint, WorkloadEndpointId,
+};
+use crate::rules::{ChainNames, Direction, Marks, Renderer};
+
+/// Built-in filter chains we hook, and our chain for each.
+pub const FILTER_HOOKS: [&str; 3] = ["INPUT", "FORWARD", "OUTPUT"];
+
+#[derive(Debug, Clone)]
+pub struct EndpointsConfig {
+    /// Prefix of our objects (`dph`).
+    pub prefix: String,
+    /// Interface name prefix of workload interfaces (`cali`).
+    pub workload_prefix: String,
+    pub marks: Marks,
+}
+
+#[derive(Debug)]
+pub struct EndpointsManager {
+    cfg: EndpointsConfig,
+    sets: SetNames,
+    chains: ChainNames,
+    policies: BTreeMap<PolicyId, Policy>,
+    profiles: BTreeMap<Id, Profile>,
+    endpoints: BTreeMap<WorkloadEndpointId, WorkloadEndpoint>,
+    dirty: bool,
+    /// The chains we set last time, per (table index): removed when no
+    /// longer wanted.
+    last: BTreeMap<usize, BTreeSet<String>>,
+}
+
+fn bad(e: RuleError) -> ManagerError {
+    ManagerError::Inconsistent {
+        manager: "endpoints",
+        reason: e.to_string(),
+    }
+}
+
+fn rule(tokens: &[&str]) -> Result<Rule, ManagerError> {
+    Rule::new(tokens.iter().copied()).map_err(bad)
+}
+
+fn mark(m: u32) -> String {
+    format!("{m:#x}/{m:#x}")
+}
+
+fn clear(m: u32) -> String {
+    format!("0/{m:#x}")
+}
+
+impl EndpointsManager {
+    pub fn new(cfg: EndpointsConfig, sets: SetNames) -> Self {
+        let chains = ChainNames::new(&cfg.prefix);
+        Self {
+            cfg,
+            sets,
+            chains,
+            policies: BTreeMap::new(),
+            profiles: BTreeMap::new(),
+            endpoints: BTreeMap::new(),
+            dirty: true,
+            last: BTreeMap::new(),
+        }
+    }
+
+    fn p(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.cfg.prefix)
+    }
+
+    /// `<prefix>-tw-<iface>` / `<prefix>-fw-<iface>`.
+    pub fn endpoint_chain(&self, dir: Direction, iface: &str) -> String {
+        let d = match dir {
+            Direction::Inbound => "tw",
+            Direction::Outbound => "fw",
+        };
+        format!("{}-{d}-{iface}", self.cfg.prefix)
+    }
+
+    /// The chain for one endpoint and direction.
+    fn endpoint_rules(
+        &self,
+        ep: &WorkloadEndpoint,
+        dir: Direction,
+    ) -> Result<Vec<Rule>, ManagerError> {
+        let m = self.cfg.marks;
+        if ep.state == EndpointState::Down {
+            return Ok(vec![rule(&["-j", "DROP"])?]);
+        }
+        let mut out = vec![
+            rule(&[
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "RELATED,ESTABLISHED",
+                "-j",
+                "ACCEPT",
+            ])?,
+            rule(&["-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?,
+            rule(&["-j", "MARK", "--set-xmark", &clear(m.accept | m.pass)])?,
+        ];
+        for tier in &ep.tiers {
+            let policies = match dir {
+                Direction::Inbound => &tier.ingress_policies,
+                Direction::Outbound => &tier.egress_policies,
+            };
+            if policies.is_empty() {
+                continue;
+            }
+            out.push(rule(&["-j", "MARK", "--set-xmark", &clear(m.pass)])?);
+            for pid in policies {
+                let chain = self.chains.policy(dir, pid);
+                if !self.policies.contains_key(pid) {
+                    // Not (yet) known: it cannot allow anything.
+                    continue;
+                }
+                out.push(rule(&[
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &clear(m.pass),
+                    "-j",
+                    &chain,
+                ])?);
+                out.push(rule(&[
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &mark(m.accept),
+                    "-j",
+                    "RETURN",
+                ])?);
+            }
+            if tier.default_action == TierDefault::Deny {
+                out.push(rule(&[
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &clear(m.pass),
+                    "-j",
+                    "DROP",
+                ])?);
+            }
+        }
+        for prof in &ep.profile_ids {
+            if !self.profiles.contains_key(prof) {
+                continue;
+            }
+            let chain = self.chains.profile(dir, prof);
+            out.push(rule(&["-j", &chain])?);
+            out.push(rule(&[
+                "-m",
+                "mark",
+                "--mark",
+                &mark(m.accept),
+                "-j",
+                "RETURN",
+            ])?);
+        }
+        out.push(rule(&["-j", "DROP"])?);
+        Ok(out)
+    }
+
+    /// Every chain of one IP version: name → rules.
+    fn desired(&self, v: IpVersion) -> Result<BTreeMap<String, Vec<Rule>>, ManagerError> {
+        let r = Renderer {
+            sets: self.sets.clone(),
+            marks: self.cfg.marks,
+            version: v,
+            log_prefix: self.p("policy"),
+        };
+        let m = self.cfg.marks;
+        let wl = format!("{}+", self.cfg.workload_prefix);
+        let (from, to) = (self.p("from-wl-dispatch"), self.p("to-wl-dispatch"));
+        let mut chains = BTreeMap::new();
+        chains.insert(
+            self.p("FORWARD"),
+            vec![
+                rule(&["-i", &wl, "-j", &from])?,
+                rule(&["-o", &wl, "-j", &to])?,
+                rule(&[
+                    "-i",
+                    &wl,
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &mark(m.accept),
+                    "-j",
+                    "ACCEPT",
+                ])?,
+                rule(&[
+                    "-o",
+                    &wl,
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &mark(m.accept),
+                    "-j",
+                    "ACCEPT",
+                ])?,
+            ],
+        );
+        chains.insert(
+            self.p("INPUT"),
+            vec![
+                rule(&["-i", &wl, "-j", &from])?,
+                rule(&[
+                    "-i",
+                    &wl,
+                    "-m",
+                    "mark",
+                    "--mark",
+                    &mark(m.accept),
+                    "-j",
+                    "ACCEPT",
+                ])?,
+                rule(&["-i", &wl, "-j", "DROP"])?,
+            ],
+        );
+        chains.insert(self.p("OUTPUT"), Vec::new());
+        let (mut from_rules, mut to_rules) = (Vec::new(), Vec::new());
+        for ep in self.endpoints.values() {
+            let iface = ep.name.as_str();
+            let fw = self.endpoint_chain(Direction::Outbound, iface);
+            let tw = self.endpoint_chain(Direction::Inbound, iface);
+            from_rules.push(rule(&["-i", iface, "-g", &fw])?);
+            to_rules.push(rule(&["-o", iface, "-g", &tw])?);
+            chains.insert(fw, self.endpoint_rules(ep, Direction::Outbound)?);
+            chains.insert(tw, self.endpoint_rules(ep, Direction::Inbound)?);
+        }
+        // Unknown workload interfaces: fail closed.
+        from_rules.push(rule(&["-j", "DROP"])?);
+        to_rules.push(rule(&["-j", "DROP"])?);
+        chains.insert(from, from_rules);
+        chains.insert(to, to_rules);
+        for (id, pol) in &self.policies {
+            chains.insert(
+                self.chains.policy(Direction::Inbound, id),
+                r.rules(&pol.inbound_rules).map_err(bad)?,
+            );
+            chains.insert(
+                self.chains.policy(Direction::Outbound, id),
+                r.rules(&pol.outbound_rules).map_err(bad)?,
+            );
+        }
+        for (id, prof) in &self.profiles {
+            chains.insert(
+                self.chains.profile(Direction::Inbound, id),
+                r.rules(&prof.inbound_rules).map_err(bad)?,
+            );
+            chains.insert(
+                self.chains.profile(Direction::Outbound, id),
+                r.rules(&prof.outbound_rules).map_err(bad)?,
+            );
+        }
+        Ok(chains)
+    }
+}
+
+impl Manager for EndpointsManager {
+    fn name(&self) -> &'static str {
+        "endpoints"
+    }
+
+    fn on_update(&mut self, update: &Update) {
+        match update {
+            Update::Policy(id, p) if !p.untracked && !p.pre_dnat => {
+                self.policies.insert(id.clone(), p.clone());
+            }
+            Update::Profile(id, p) => {
+                self.profiles.insert(id.clone(), p.clone());
+            }
+            Update::WorkloadEndpoint(id, ep) => {
+                self.endpoints.insert(id.clone(), ep.clone());
+            }
+            Update::Remove(Key::Policy(id)) => {
+                self.policies.remove(id);
+            }
+            Update::Remove(Key::Profile(id)) => {
+                self.profiles.remove(id);
+            }
+            Update::Remove(Key::WorkloadEndpoint(id)) => {
+                self.endpoints.remove(id);
+            }
+            _ => return,
+        }
+        self.dirty = true;
+    }
+
+    fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        for (i, t) in kernel.tables.iter_mut().enumerate() {
+            if t.table() != "filter" {
+                continue;
+            }
+            let chains = self.desired(t.version())?;
+            let names: BTreeSet<String> = chains.keys().cloned().collect();
+            for old in self.last.get(&i).into_iter().flatten() {
+                if !names.contains(old) {
+                    t.remove_chain(old);
+                }
+            }
+            for (name, rules) in chains {
+                t.set_chain(&name, rules).map_err(bad)?;
+            }
+            for hook in FILTER_HOOKS {
+                let jump = rule(&["-j", &self.p(hook)])?;
+                t.set_hooks(hook, vec![jump]).map_err(bad)?;
+            }
+            self.last.insert(i, names);
+        }
+        self.dirty = false;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
