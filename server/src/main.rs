@@ -56,7 +56,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the Dataplane API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Run the real server in a sandbox network namespace, push the bundled
     /// scenario through gRPC, wait for DataplaneInSync and print what was
     /// programmed. Needs root; the host's namespace is left alone.
@@ -184,7 +184,7 @@ async fn main() -> anyhow::Result<()> {
         fmt.init()
     }
     match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         // On Ctrl-C the demo's future is dropped, and with it the guards that
         // stop the server and remove the namespace.
         Command::Demo(args) => tokio::select! {
