@@ -67,7 +67,19 @@ pub enum Feed {
 #[derive(Debug, Clone, PartialEq)]
 pub enum StatusEvent {
     DataplaneInSync,
-    ProcessStatus { iso_timestamp: String, uptime: f64 },
+    ProcessStatus {
+        iso_timestamp: String,
+        uptime: f64,
+    },
+    /// A workload endpoint's status changed: `up`, `down` or `error`.
+    WorkloadEndpointStatus {
+        id: crate::model::WorkloadEndpointId,
+        status: &'static str,
+    },
+    /// A workload endpoint is gone.
+    WorkloadEndpointStatusRemove {
+        id: crate::model::WorkloadEndpointId,
+    },
 }
 
 /// A snapshot of the loop's state, published after every change.
@@ -559,6 +571,12 @@ impl SyncLoop {
             if let Some(h) = s.highest {
                 s.programmed.send_replace(h);
                 self.status.last_programmed = self.status.last_programmed.max(h);
+            }
+        }
+        // Endpoint status after each successful apply, changes only.
+        for m in &mut self.managers {
+            for ev in m.status_changes() {
+                let _ = ch.events.send(ev);
             }
         }
         if !self.in_sync_sent && !self.dirty {

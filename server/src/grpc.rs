@@ -82,6 +82,14 @@ fn received(s: &ReadSummary, datastore_in_sync: bool) -> v1::ToDataplaneReply {
     }
 }
 
+fn wep_id(id: &dphandler_dataplane::model::WorkloadEndpointId) -> felix::WorkloadEndpointId {
+    felix::WorkloadEndpointId {
+        orchestrator_id: id.orchestrator.as_str().to_string(),
+        workload_id: id.workload.as_str().to_string(),
+        endpoint_id: id.endpoint.as_str().to_string(),
+    }
+}
+
 /// The loop's event as the wire's `FromDataplane`.
 pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
     let payload = match ev {
@@ -95,6 +103,24 @@ pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
             iso_timestamp,
             uptime,
         }),
+        StatusEvent::WorkloadEndpointStatus { id, status } => {
+            from_dataplane::Payload::WorkloadEndpointStatusUpdate(
+                felix::WorkloadEndpointStatusUpdate {
+                    id: Some(wep_id(&id)),
+                    status: Some(felix::EndpointStatus {
+                        status: status.to_string(),
+                    }),
+                    endpoint: None,
+                },
+            )
+        }
+        StatusEvent::WorkloadEndpointStatusRemove { id } => {
+            from_dataplane::Payload::WorkloadEndpointStatusRemove(
+                felix::WorkloadEndpointStatusRemove {
+                    id: Some(wep_id(&id)),
+                },
+            )
+        }
     };
     felix::FromDataplane {
         sequence_number: 0,

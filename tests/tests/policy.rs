@@ -164,6 +164,10 @@ async fn connectivity_follows_policy() -> Result<()> {
 
     let d = Daemon::start(&host, &dir.path().join("dp.sock"), &["--ipv6", "false"])?;
     let mut c = d.connect().await.context("daemon")?;
+    let mut watch = c
+        .status_updates(dphandler_proto::v1::StatusUpdatesRequest {})
+        .await?
+        .into_inner();
 
     // 1. Known endpoints without profiles or policies: nothing is allowed.
     let yaml = format!(
@@ -175,6 +179,17 @@ async fn connectivity_follows_policy() -> Result<()> {
     assert!(rej.is_empty(), "{rej:?}");
     assert!(!tcp(&w1, "10.65.0.3", 80), "no policy: denied");
     assert!(!ping(&w1, "10.65.0.3"));
+    // Both endpoints are reported up on StatusUpdates.
+    let mut up = std::collections::BTreeSet::new();
+    while up.len() < 2 {
+        let u = tokio::time::timeout(Duration::from_secs(5), watch.message())
+            .await??
+            .context("StatusUpdates ended")?;
+        let text = format!("{u:?}");
+        if text.contains("WorkloadEndpointStatusUpdate") && text.contains("\"up\"") {
+            up.insert(if text.contains("ns/cali1") { 1 } else { 2 });
+        }
+    }
 
     // 2. A profile allowing everything, on both: all flows.
     let allow_all = "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: allow}]\n    outboundRules: [{action: allow}]\n";

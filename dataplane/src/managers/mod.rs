@@ -46,6 +46,11 @@ pub trait Manager: Send {
     fn resolve_update_batch(&mut self) {}
     /// Queue desired state into the backends.
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError>;
+    /// After an apply that left nothing dirty: status changes to report
+    /// (e.g. an endpoint that went up or down), each once.
+    fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+        Vec::new()
+    }
 }
 
 #[cfg(test)]

@@ -56,6 +56,10 @@ pub struct EndpointsManager {
     profiles: BTreeMap<Id, Profile>,
     endpoints: BTreeMap<WorkloadEndpointId, WorkloadEndpoint>,
     dirty: bool,
+    /// Links by name, and whether they are up (from the interface monitor).
+    links: BTreeMap<String, bool>,
+    /// The status last reported per endpoint.
+    reported: BTreeMap<WorkloadEndpointId, &'static str>,
     /// The chains we set last time, per (table index): removed when no
     /// longer wanted.
     last: BTreeMap<usize, BTreeSet<String>>,
@@ -91,6 +95,8 @@ impl EndpointsManager {
             profiles: BTreeMap::new(),
             endpoints: BTreeMap::new(),
             dirty: true,
+            links: BTreeMap::new(),
+            reported: BTreeMap::new(),
             last: BTreeMap::new(),
         }
     }
@@ -316,6 +322,50 @@ impl Manager for EndpointsManager {
             _ => return,
         }
         self.dirty = true;
+    }
+
+    fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
+        use crate::interfaces::InterfaceEvent as E;
+        match event {
+            E::Link { name, up, .. } => {
+                self.links.insert(name.clone(), *up);
+            }
+            E::LinkRemoved { name, .. } => {
+                self.links.remove(name);
+            }
+            _ => {}
+        }
+    }
+
+    fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+        use crate::sync_loop::StatusEvent;
+        let mut out = Vec::new();
+        for (id, ep) in &self.endpoints {
+            let link_up = self.links.get(ep.name.as_str()).copied().unwrap_or(false);
+            let status = if ep.state == EndpointState::Active && link_up {
+                "up"
+            } else {
+                "down"
+            };
+            if self.reported.get(id) != Some(&status) {
+                self.reported.insert(id.clone(), status);
+                out.push(StatusEvent::WorkloadEndpointStatus {
+                    id: id.clone(),
+                    status,
+                });
+            }
+        }
+        let gone: Vec<WorkloadEndpointId> = self
+            .reported
+            .keys()
+            .filter(|id| !self.endpoints.contains_key(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.reported.remove(&id);
+            out.push(StatusEvent::WorkloadEndpointStatusRemove { id });
+        }
+        out
     }
 
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
