@@ -12,6 +12,7 @@ use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
+use dphandler_dataplane::backends::routes::{Routes, iproute::IpTool};
 use dphandler_dataplane::managers::{
     Manager,
     endpoints::{EndpointsConfig, EndpointsManager},
@@ -135,6 +136,12 @@ struct ServeArgs {
     /// the API path).
     #[arg(long, env = "DPH_DRY_RUN")]
     dry_run: bool,
+    /// Protocol number of the routes the daemon owns (Felix's is 80).
+    #[arg(long, env = "DPH_ROUTE_PROTOCOL", default_value_t = 80)]
+    route_protocol: u8,
+    /// Seconds between re-reads of our routes (0: never).
+    #[arg(long, env = "DPH_ROUTE_REFRESH_SECONDS", default_value_t = 90.0)]
+    route_refresh_seconds: f64,
     /// Name prefix of workload interfaces (Felix's InterfacePrefix).
     #[arg(long, env = "DPH_WORKLOAD_IFACE_PREFIX", default_value = "cali")]
     workload_iface_prefix: String,
@@ -223,6 +230,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let loop_cfg = LoopConfig {
         ipset_refresh: secs(args.ipset_refresh_seconds, "--ipset-refresh-seconds")?,
         iptables_refresh: secs(args.iptables_refresh_seconds, "--iptables-refresh-seconds")?,
+        route_refresh: secs(args.route_refresh_seconds, "--route-refresh-seconds")?,
         retry_interval: secs(args.retry_seconds, "--retry-seconds")?,
         ..LoopConfig::default()
     };
@@ -275,6 +283,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ));
         }
     }
+    if matches!(args.route_protocol, 0..=4) {
+        // 0-4 are the kernel's own (unspec, redirect, kernel, boot, static):
+        // owning them would mean deleting routes that are not ours.
+        bail!("--route-protocol must be 5-255 (0-4 belong to the kernel and admins)");
+    }
+    kernel.routes = Some(Routes::new(args.route_protocol, Box::new(IpTool)));
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(IpSetsManager::new(args.max_ipset_size)),
         Box::new(EndpointsManager::new(

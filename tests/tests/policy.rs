@@ -304,3 +304,105 @@ async fn connectivity_follows_policy() -> Result<()> {
     assert!(!tcp(&w1, "10.65.0.3", 80), "kernel state left as it was");
     Ok(())
 }
+
+#[tokio::test]
+async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let host = Netns::new("rthost")?;
+    host.run("ip", &["link", "set", "lo", "up"])?;
+    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
+    let w1 = workload(&host, "cali1", "10.65.0.2")?;
+    let w2 = workload(&host, "cali2", "10.65.0.3")?;
+    // Take the hand-made route to w2 away: the daemon must program it.
+    host.run("ip", &["route", "del", "10.65.0.3/32", "dev", "cali2"])?;
+    // A route of another owner on a workload interface, and one of ours
+    // that is stale: the first stays, the second goes.
+    host.run(
+        "ip",
+        &[
+            "route",
+            "add",
+            "10.77.0.0/24",
+            "dev",
+            "cali2",
+            "proto",
+            "static",
+        ],
+    )?;
+    host.run(
+        "ip",
+        &[
+            "route",
+            "add",
+            "10.78.0.0/24",
+            "dev",
+            "cali2",
+            "proto",
+            "80",
+        ],
+    )?;
+    let _l = listen(&w2.0, &[80]);
+    assert!(!tcp(&w1, "10.65.0.3", 80), "no route to w2 yet");
+    let w2_mac = String::from_utf8_lossy(&w2.run("cat", &["/sys/class/net/eth0/address"])?.stdout)
+        .trim()
+        .to_string();
+
+    let d = Daemon::start(&host, &dir.path().join("dp.sock"), &["--ipv6", "false"])?;
+    let mut c = d.connect().await?;
+    let allow_all = "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: allow}]\n    outboundRules: [{action: allow}]\n";
+    let yaml = format!(
+        "{allow_all}---\n{}---\n{}---\ninSync: {{}}\n",
+        wep("cali1", "10.65.0.2", "    profileIds: [kns.ns]\n"),
+        wep(
+            "cali2",
+            "10.65.0.3",
+            &format!("    profileIds: [kns.ns]\n    mac: '{w2_mac}'\n")
+        )
+    );
+    let (rej, _) = push(&mut c, msgs(1, &yaml)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let routes =
+        String::from_utf8_lossy(&host.run("ip", &["route", "show", "proto", "80"])?.stdout)
+            .into_owned();
+    assert!(routes.contains("10.65.0.3 dev cali2"), "{routes}");
+    assert!(routes.contains("10.65.0.2 dev cali1"), "{routes}");
+    assert!(
+        !routes.contains("10.78.0.0/24"),
+        "stale route of ours removed: {routes}"
+    );
+    let all = String::from_utf8_lossy(&host.run("ip", &["route"])?.stdout).into_owned();
+    assert!(
+        all.contains("10.77.0.0/24 dev cali2 proto static"),
+        "foreign route kept: {all}"
+    );
+    let neigh =
+        String::from_utf8_lossy(&host.run("ip", &["neigh", "show", "dev", "cali2"])?.stdout)
+            .into_owned();
+    assert!(
+        neigh.contains(&format!("10.65.0.3 lladdr {w2_mac} PERMANENT")),
+        "{neigh}"
+    );
+    assert!(
+        tcp(&w1, "10.65.0.3", 80),
+        "w2 reachable through the daemon's route"
+    );
+
+    // The endpoint goes: its route and neighbour go too.
+    push(
+        &mut c,
+        msgs(10, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
+    )
+    .await?;
+    let routes =
+        String::from_utf8_lossy(&host.run("ip", &["route", "show", "proto", "80"])?.stdout)
+            .into_owned();
+    assert!(!routes.contains("10.65.0.3"), "{routes}");
+    let neigh =
+        String::from_utf8_lossy(&host.run("ip", &["neigh", "show", "dev", "cali2"])?.stdout)
+            .into_owned();
+    assert!(!neigh.contains("PERMANENT"), "{neigh}");
+    Ok(())
+}

@@ -10,6 +10,7 @@
 pub mod ipsets;
 pub mod iptables;
 pub mod recording;
+pub mod routes;
 
 use std::time::Duration;
 
@@ -168,6 +169,8 @@ pub struct DesiredKernel {
     pub ipsets: Vec<ipsets::IpSets>,
     /// The iptables tables, per IP version.
     pub tables: Vec<iptables::Table>,
+    /// Routes and neighbours to workloads.
+    pub routes: Option<routes::Routes>,
     /// Backends without a typed slot (and the recording ones in tests).
     pub others: Vec<Box<dyn Backend>>,
 }
@@ -182,6 +185,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .iter()
                     .map(|b| b.name())
                     .chain(self.tables.iter().map(|b| b.name()))
+                    .chain(self.routes.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
                     .collect::<Vec<_>>(),
             )
@@ -195,6 +199,7 @@ impl DesiredKernel {
             .iter_mut()
             .map(|b| b as &mut dyn Backend)
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(
                 self.others
                     .iter_mut()
@@ -203,7 +208,10 @@ impl DesiredKernel {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ipsets.is_empty() && self.tables.is_empty() && self.others.is_empty()
+        self.ipsets.is_empty()
+            && self.tables.is_empty()
+            && self.routes.is_none()
+            && self.others.is_empty()
     }
 
     pub fn any_dirty(&mut self) -> bool {

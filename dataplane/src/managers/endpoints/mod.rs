@@ -198,6 +198,41 @@ impl EndpointsManager {
         Ok(out)
     }
 
+    /// /32 and /128 routes to each workload whose interface exists, and a
+    /// permanent neighbour entry for each address when the MAC is known.
+    fn routes(
+        &self,
+    ) -> (
+        BTreeMap<ipnet::IpNet, String>,
+        BTreeSet<crate::backends::routes::Neighbour>,
+    ) {
+        let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
+        for ep in self.endpoints.values() {
+            let dev = ep.name.as_str();
+            if !self.links.contains_key(dev) {
+                continue; // CNI has not made it yet; retried when it appears
+            }
+            let nets = ep
+                .ipv4_nets
+                .iter()
+                .map(|n| ipnet::IpNet::V4(*n))
+                .chain(ep.ipv6_nets.iter().map(|n| ipnet::IpNet::V6(*n)));
+            for net in nets {
+                routes.insert(net, dev.to_string());
+                if let Some(mac) = &ep.mac
+                    && net.prefix_len() == net.max_prefix_len()
+                {
+                    neighbours.insert(crate::backends::routes::Neighbour {
+                        addr: net.addr(),
+                        dev: dev.to_string(),
+                        mac: mac.to_string(),
+                    });
+                }
+            }
+        }
+        (routes, neighbours)
+    }
+
     /// Every chain of one IP version: name → rules.
     fn desired(&self, v: IpVersion) -> Result<BTreeMap<String, Vec<Rule>>, ManagerError> {
         let r = Renderer {
@@ -328,10 +363,14 @@ impl Manager for EndpointsManager {
         use crate::interfaces::InterfaceEvent as E;
         match event {
             E::Link { name, up, .. } => {
-                self.links.insert(name.clone(), *up);
+                if self.links.insert(name.clone(), *up).is_none() {
+                    // A workload's interface appeared: its routes can go in.
+                    self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
+                }
             }
             E::LinkRemoved { name, .. } => {
                 self.links.remove(name);
+                self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
             }
             _ => {}
         }
@@ -391,6 +430,10 @@ impl Manager for EndpointsManager {
                 t.set_hooks(hook, vec![jump]).map_err(bad)?;
             }
             self.last.insert(i, names);
+        }
+        if let Some(r) = &mut kernel.routes {
+            let (routes, neighbours) = self.routes();
+            r.set(routes, neighbours);
         }
         self.dirty = false;
         Ok(())
