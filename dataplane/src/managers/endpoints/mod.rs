@@ -362,11 +362,9 @@ impl Manager for EndpointsManager {
     fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
         use crate::interfaces::InterfaceEvent as E;
         match event {
-            E::Link { name, up, .. } => {
-                if self.links.insert(name.clone(), *up).is_none() {
-                    // A workload's interface appeared: its routes can go in.
-                    self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
-                }
+            // A workload's interface appeared: its routes can go in.
+            E::Link { name, up, .. } if self.links.insert(name.clone(), *up).is_none() => {
+                self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
             }
             E::LinkRemoved { name, .. } => {
                 self.links.remove(name);
