@@ -376,6 +376,7 @@ fn rendered_rules_load_into_the_kernel() -> Result<()> {
             marks: Marks::default(),
             version: v,
             log_prefix: "dph-policy".into(),
+            known_sets: None,
         };
         let rendered = r.rules(&rules)?;
         assert!(rendered.len() >= 10, "{v:?}: {}", rendered.len());

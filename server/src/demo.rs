@@ -228,7 +228,8 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         }
     }
     println!(
-        "(policy chains, endpoints, routes and the rest are the next issues: those objects are \
+        "(the workload's interface does not exist in the sandbox, so no route to it is \
+         programmed; host endpoints, NAT, VXLAN, WireGuard and XDP are the next issues: \
          validated and held, not yet written to the kernel)"
     );
     drop(replies);

@@ -77,10 +77,21 @@ async fn push_watch_status() -> Result<()> {
 
     let w = watcher.wait_with_output()?;
     assert!(w.status.success());
-    let first: serde_json::Value = serde_json::from_str(text(&w.stdout).lines().next().unwrap())?;
+    // Endpoint status may come first; DataplaneInSync ends the watch.
+    let lines: Vec<serde_json::Value> = text(&w.stdout)
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
     assert_eq!(
-        first,
-        serde_json::json!({"update": {"dataplaneInSync": {}}})
+        lines.last(),
+        Some(&serde_json::json!({"update": {"dataplaneInSync": {}}})),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["update"]["workloadEndpointStatusUpdate"]["status"]["status"] == "down"),
+        "the demo's workload has no interface here, so it is down: {lines:?}"
     );
 
     // status --json: in sync, sequence 11, objects by kind.

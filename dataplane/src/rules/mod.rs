@@ -119,12 +119,18 @@ impl ChainNames {
 
 /// Renders rules for one IP version.
 #[derive(Debug, Clone)]
-pub struct Renderer {
+pub struct Renderer<'a> {
     pub sets: SetNames,
     pub marks: Marks,
     pub version: IpVersion,
     /// `--log-prefix` of log rules.
     pub log_prefix: String,
+    /// The IP sets that exist, if known. A rule that needs a set that does
+    /// not exist is rendered as if the set were empty: a positive match
+    /// never matches (the rule is left out), a negated one always does
+    /// (the match is left out). So a set removed while a policy still names
+    /// it neither breaks the rule nor stays pinned in the kernel by it.
+    pub known_sets: Option<&'a std::collections::BTreeSet<Id>>,
 }
 
 fn of_version(nets: &[IpNet], v: IpVersion) -> Vec<IpNet> {
@@ -191,9 +197,13 @@ fn icmp_tokens(m: &IcmpMatch, v: IpVersion, negate: bool) -> Vec<String> {
 /// One "any of these" group: the alternatives' match tokens.
 type Block = Vec<Vec<String>>;
 
-impl Renderer {
+impl Renderer<'_> {
     fn set(&self, id: &Id) -> String {
         self.sets.name(self.version, id)
+    }
+
+    fn exists(&self, id: &Id) -> bool {
+        self.known_sets.is_none_or(|k| k.contains(id))
     }
 
     /// The rules for `rule` (none if it does not apply to this version or
@@ -212,6 +222,36 @@ impl Renderer {
         let action = rule.action();
         if !rule.unsupported.is_empty() && action != Action::Deny {
             return Ok(Vec::new());
+        }
+        // A positive match on a set that does not exist matches nothing.
+        let needed = rule
+            .src_ip_set_ids
+            .iter()
+            .chain(&rule.dst_ip_set_ids)
+            .chain(&rule.dst_ip_port_set_ids);
+        if needed.clone().any(|id| !self.exists(id)) {
+            return Ok(Vec::new());
+        }
+        let named_src: Vec<Id> = rule
+            .src_named_port_ip_set_ids
+            .iter()
+            .filter(|i| self.exists(i))
+            .cloned()
+            .collect();
+        let named_dst: Vec<Id> = rule
+            .dst_named_port_ip_set_ids
+            .iter()
+            .filter(|i| self.exists(i))
+            .cloned()
+            .collect();
+        for (ports, all, kept) in [
+            (&rule.src_ports, &rule.src_named_port_ip_set_ids, &named_src),
+            (&rule.dst_ports, &rule.dst_named_port_ip_set_ids, &named_dst),
+        ] {
+            // Only named ports were given and none of their sets exists.
+            if ports.is_empty() && !all.is_empty() && kept.is_empty() {
+                return Ok(Vec::new());
+            }
         }
         let mut m: Vec<String> = Vec::new();
         let mut blocks: Vec<Block> = Vec::new();
@@ -251,15 +291,10 @@ impl Renderer {
             );
         }
         for (ports, named, flag, dir) in [
-            (
-                &rule.src_ports,
-                &rule.src_named_port_ip_set_ids,
-                "--source-ports",
-                "src,src",
-            ),
+            (&rule.src_ports, &named_src, "--source-ports", "src,src"),
             (
                 &rule.dst_ports,
-                &rule.dst_named_port_ip_set_ids,
+                &named_dst,
                 "--destination-ports",
                 "dst,dst",
             ),
@@ -322,7 +357,8 @@ impl Renderer {
             (&rule.not_src_named_port_ip_set_ids, "src,src"),
             (&rule.not_dst_named_port_ip_set_ids, "dst,dst"),
         ] {
-            for id in ids {
+            // Not in a set that does not exist: always true.
+            for id in ids.iter().filter(|i| self.exists(i)) {
                 push(
                     &mut m,
                     &["-m", "set", "!", "--match-set", &self.set(id), dir],

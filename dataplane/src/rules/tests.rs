@@ -2,16 +2,17 @@
 
 use super::*;
 
-fn r4() -> Renderer {
+fn r4() -> Renderer<'static> {
     Renderer {
         sets: SetNames::new("dph").unwrap(),
         marks: Marks::default(),
         version: IpVersion::V4,
         log_prefix: "dph-policy".into(),
+        known_sets: None,
     }
 }
 
-fn r6() -> Renderer {
+fn r6() -> Renderer<'static> {
     Renderer {
         version: IpVersion::V6,
         ..r4()
@@ -259,4 +260,46 @@ fn chain_names() {
             "{name} is a valid token"
         );
     }
+}
+
+#[test]
+fn rules_naming_missing_sets_match_as_if_the_set_were_empty() {
+    let known: std::collections::BTreeSet<Id> = [id("s:here"), id("n:here")].into();
+    let r = Renderer {
+        known_sets: Some(&known),
+        ..r4()
+    };
+    let positive = Rule {
+        src_ip_set_ids: vec![id("s:gone")],
+        ..Rule::default()
+    };
+    assert!(
+        r.rule(&positive).unwrap().is_empty(),
+        "in an empty set: never"
+    );
+    let negated = Rule {
+        action: Some(Action::Deny),
+        not_src_ip_set_ids: vec![id("s:gone"), id("s:here")],
+        ..Rule::default()
+    };
+    assert_eq!(
+        text(&r.rule(&negated).unwrap()),
+        ["-m set ! --match-set dph40s:here src -j DROP"],
+        "not in an empty set: always"
+    );
+    let named = Rule {
+        protocol: Some(Protocol::TCP),
+        dst_named_port_ip_set_ids: vec![id("n:gone")],
+        ..Rule::default()
+    };
+    assert!(r.rule(&named).unwrap().is_empty());
+    let mixed = Rule {
+        protocol: Some(Protocol::TCP),
+        dst_ports: ports(&[(80, 80)]),
+        dst_named_port_ip_set_ids: vec![id("n:gone"), id("n:here")],
+        action: Some(Action::Deny),
+        ..Rule::default()
+    };
+    let out = text(&r.rule(&mixed).unwrap()).join("\n");
+    assert!(out.contains("n:here") && !out.contains("n:gone"), "{out}");
 }

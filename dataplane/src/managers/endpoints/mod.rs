@@ -56,6 +56,8 @@ pub struct EndpointsManager {
     profiles: BTreeMap<Id, Profile>,
     endpoints: BTreeMap<WorkloadEndpointId, WorkloadEndpoint>,
     dirty: bool,
+    /// The IP sets that exist (rules naming others match as if empty).
+    sets_known: BTreeSet<Id>,
     /// Links by name, and whether they are up (from the interface monitor).
     links: BTreeMap<String, bool>,
     /// The status last reported per endpoint.
@@ -95,6 +97,7 @@ impl EndpointsManager {
             profiles: BTreeMap::new(),
             endpoints: BTreeMap::new(),
             dirty: true,
+            sets_known: BTreeSet::new(),
             links: BTreeMap::new(),
             reported: BTreeMap::new(),
             last: BTreeMap::new(),
@@ -240,6 +243,7 @@ impl EndpointsManager {
             marks: self.cfg.marks,
             version: v,
             log_prefix: self.p("policy"),
+            known_sets: Some(&self.sets_known),
         };
         let m = self.cfg.marks;
         let wl = format!("{}+", self.cfg.workload_prefix);
@@ -353,6 +357,16 @@ impl Manager for EndpointsManager {
             }
             Update::Remove(Key::WorkloadEndpoint(id)) => {
                 self.endpoints.remove(id);
+            }
+            Update::IpSetUpdate(s) => {
+                if !self.sets_known.insert(s.id.clone()) {
+                    return; // existed already: rules are unchanged
+                }
+            }
+            Update::Remove(Key::IpSet(id)) => {
+                if !self.sets_known.remove(id) {
+                    return;
+                }
             }
             _ => return,
         }
