@@ -13,6 +13,7 @@ use dphandler_dataplane::backends::iptables::restore::{
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::routes::{Routes, iproute::IpTool};
+use dphandler_dataplane::backends::sysctl::Sysctls;
 use dphandler_dataplane::managers::{
     Manager,
     endpoints::{EndpointsConfig, EndpointsManager},
@@ -289,6 +290,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         bail!("--route-protocol must be 5-255 (0-4 belong to the kernel and admins)");
     }
     kernel.routes = Some(Routes::new(args.route_protocol, Box::new(IpTool)));
+    kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(IpSetsManager::new(args.max_ipset_size)),
         Box::new(EndpointsManager::new(

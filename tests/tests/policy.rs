@@ -389,6 +389,18 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
         tcp(&w1, "10.65.0.3", 80),
         "w2 reachable through the daemon's route"
     );
+    // Felix's per-interface settings on the workload interfaces.
+    for (knob, want) in [
+        ("/proc/sys/net/ipv4/conf/cali2/proxy_arp", "1"),
+        ("/proc/sys/net/ipv4/conf/cali2/rp_filter", "1"),
+        ("/proc/sys/net/ipv4/conf/cali2/route_localnet", "1"),
+        ("/proc/sys/net/ipv4/neigh/cali2/proxy_delay", "0"),
+    ] {
+        let v = String::from_utf8_lossy(&host.run("cat", &[knob])?.stdout)
+            .trim()
+            .to_string();
+        assert_eq!(v, want, "{knob}");
+    }
 
     // The endpoint goes: its route and neighbour go too.
     push(

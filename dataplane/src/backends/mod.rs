@@ -11,6 +11,7 @@ pub mod ipsets;
 pub mod iptables;
 pub mod recording;
 pub mod routes;
+pub mod sysctl;
 
 use std::time::Duration;
 
@@ -171,6 +172,8 @@ pub struct DesiredKernel {
     pub tables: Vec<iptables::Table>,
     /// Routes and neighbours to workloads.
     pub routes: Option<routes::Routes>,
+    /// Per-interface settings of workload interfaces.
+    pub sysctls: Option<sysctl::Sysctls>,
     /// Backends without a typed slot (and the recording ones in tests).
     pub others: Vec<Box<dyn Backend>>,
 }
@@ -186,6 +189,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .map(|b| b.name())
                     .chain(self.tables.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
+                    .chain(self.sysctls.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
                     .collect::<Vec<_>>(),
             )
@@ -200,6 +204,7 @@ impl DesiredKernel {
             .map(|b| b as &mut dyn Backend)
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(
                 self.others
                     .iter_mut()
@@ -211,6 +216,7 @@ impl DesiredKernel {
         self.ipsets.is_empty()
             && self.tables.is_empty()
             && self.routes.is_none()
+            && self.sysctls.is_none()
             && self.others.is_empty()
     }
 

@@ -447,6 +447,16 @@ impl Manager for EndpointsManager {
             let (routes, neighbours) = self.routes();
             r.set(routes, neighbours);
         }
+        if let Some(sc) = &mut kernel.sysctls {
+            let ipv6 = kernel.tables.iter().any(|t| t.version() == IpVersion::V6);
+            let knobs = self
+                .endpoints
+                .values()
+                .filter(|ep| self.links.contains_key(ep.name.as_str()))
+                .flat_map(|ep| crate::backends::sysctl::workload_knobs(ep.name.as_str(), ipv6))
+                .collect();
+            sc.set(knobs);
+        }
         self.dirty = false;
         Ok(())
     }
