@@ -14,6 +14,7 @@ use dphandler_dataplane::backends::iptables::restore::{
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::routes::{Routes, iproute::IpTool};
 use dphandler_dataplane::backends::sysctl::Sysctls;
+use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
     endpoints::{EndpointsConfig, EndpointsManager},
@@ -293,6 +294,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(IpSetsManager::new(args.max_ipset_size)),
+        Box::new(NatManager::new(&args.prefix, names.clone())),
         Box::new(EndpointsManager::new(
             EndpointsConfig {
                 prefix: args.prefix.clone(),

@@ -43,7 +43,14 @@ pub struct IpSetsManager {
     sets: HashMap<Id, DesiredSet>,
     /// What changed since the last `complete_deferred_work`.
     changes: HashMap<Id, Change>,
+    /// IPAM pools: CIDR and whether traffic leaving it is masqueraded.
+    pools: std::collections::BTreeMap<Id, (ipnet::IpNet, bool)>,
 }
+
+/// The set of every IPAM pool's CIDR (Felix's `all-ipam-pools`).
+pub const ALL_POOLS: &str = "all-ipam-pools";
+/// The set of the CIDRs of pools with `masquerade` (`masq-ipam-pools`).
+pub const MASQ_POOLS: &str = "masq-ipam-pools";
 
 impl IpSetsManager {
     /// `max_size` is every set's `maxelem`; a set that would grow beyond it
@@ -53,6 +60,29 @@ impl IpSetsManager {
             max_size,
             sets: HashMap::new(),
             changes: HashMap::new(),
+            pools: Default::default(),
+        }
+    }
+
+    /// Rebuilds the two sets derived from the IPAM pools (type NET; ids
+    /// the calc graph does not use: its own carry a `s:`/`n:`-style prefix).
+    fn update_pool_sets(&mut self) {
+        for (name, masq_only) in [(ALL_POOLS, false), (MASQ_POOLS, true)] {
+            let id = Id::new(name).expect("a valid id");
+            let members: HashSet<Member> = self
+                .pools
+                .values()
+                .filter(|(_, masq)| !masq_only || *masq)
+                .map(|(cidr, _)| Member::Net(*cidr))
+                .collect();
+            self.sets.insert(
+                id.clone(),
+                DesiredSet {
+                    set_type: IpSetType::Net,
+                    members,
+                },
+            );
+            self.changes.insert(id, Change::Full);
         }
     }
 
@@ -171,6 +201,13 @@ impl Manager for IpSetsManager {
             }
             Update::Remove(Key::IpSet(id)) if self.sets.remove(id).is_some() => {
                 self.changes.insert(id.clone(), Change::Removed);
+            }
+            Update::IpamPool(id, pool) => {
+                self.pools.insert(id.clone(), (pool.cidr, pool.masquerade));
+                self.update_pool_sets();
+            }
+            Update::Remove(Key::IpamPool(id)) if self.pools.remove(id).is_some() => {
+                self.update_pool_sets();
             }
             _ => {}
         }

@@ -5,6 +5,7 @@
 
 pub mod endpoints;
 pub mod ipsets;
+pub mod nat;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
