@@ -418,3 +418,96 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
     assert!(!neigh.contains("PERMANENT"), "{neigh}");
     Ok(())
 }
+
+#[tokio::test]
+async fn established_flows_survive_a_policy_change_new_ones_follow_it() -> Result<()> {
+    use std::io::{Read, Write};
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let host = Netns::new("flowh")?;
+    host.run("ip", &["link", "set", "lo", "up"])?;
+    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
+    let w1 = workload(&host, "cali1", "10.65.0.2")?;
+    let w2 = workload(&host, "cali2", "10.65.0.3")?;
+    // An echo server on w2:80.
+    {
+        let file = std::fs::File::open(format!("/run/netns/{}", w2.0))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let l = TcpListener::bind("0.0.0.0:80").unwrap();
+            tx.send(()).unwrap();
+            for s in l.incoming().flatten() {
+                std::thread::spawn(move || {
+                    let mut s = s;
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 || s.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        rx.recv()?;
+    }
+    let d = Daemon::start(&host, &dir.path().join("dp.sock"), &["--ipv6", "false"])?;
+    let mut c = d.connect().await?;
+    let allow = "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: allow}]\n    outboundRules: [{action: allow}]\n";
+    let yaml = format!(
+        "{allow}---\n{}---\n{}---\ninSync: {{}}\n",
+        wep("cali1", "10.65.0.2", "    profileIds: [kns.ns]\n"),
+        wep("cali2", "10.65.0.3", "    profileIds: [kns.ns]\n")
+    );
+    push(&mut c, msgs(1, &yaml)).await?;
+
+    // A long-lived connection from w1, opened while allowed.
+    let file = std::fs::File::open(format!("/run/netns/{}", w1.0))?;
+    let (cmd_tx, cmd_rx) = std::sync::mpsc::channel::<()>();
+    let (res_tx, res_rx) = std::sync::mpsc::channel::<bool>();
+    std::thread::spawn(move || {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut s =
+            TcpStream::connect_timeout(&"10.65.0.3:80".parse().unwrap(), Duration::from_secs(1))
+                .expect("connect while allowed");
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        while cmd_rx.recv().is_ok() {
+            let mut buf = [0u8; 5];
+            let ok =
+                s.write_all(b"hello").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"hello";
+            res_tx.send(ok).unwrap();
+        }
+    });
+    let exchange = || -> bool {
+        cmd_tx.send(()).unwrap();
+        res_rx.recv_timeout(Duration::from_secs(3)).unwrap_or(false)
+    };
+    assert!(exchange(), "the flow works while allowed");
+
+    // The profile now denies new inbound connections to w2.
+    push(
+        &mut c,
+        msgs(10, "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: deny}]\n    outboundRules: [{action: allow}]\n"),
+    )
+    .await?;
+    assert!(
+        !tcp(&w1, "10.65.0.3", 80),
+        "a new connection follows the new policy"
+    );
+    assert!(
+        exchange(),
+        "the established flow carries on (conntrack), as in Felix"
+    );
+
+    // The profile removed while the flow runs: still established.
+    push(
+        &mut c,
+        msgs(20, "activeProfileRemove: {id: {name: kns.ns}}\n"),
+    )
+    .await?;
+    assert!(exchange(), "still established after the profile went");
+    assert!(!tcp(&w1, "10.65.0.3", 80));
+    Ok(())
+}
