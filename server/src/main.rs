@@ -144,12 +144,44 @@ struct ServeArgs {
     /// Seconds between re-reads of our routes (0: never).
     #[arg(long, env = "DPH_ROUTE_REFRESH_SECONDS", default_value_t = 90.0)]
     route_refresh_seconds: f64,
+    /// Ports reaching the host that no host-endpoint policy can close
+    /// (`proto:port,…`; Felix's FailsafeInboundHostPorts).
+    #[arg(long, env = "DPH_FAILSAFE_INBOUND", default_value = "tcp:22,udp:68,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667", value_parser = parse_ports)]
+    failsafe_inbound: PortList,
+    /// Ports the host may always reach (Felix's FailsafeOutboundHostPorts).
+    #[arg(long, env = "DPH_FAILSAFE_OUTBOUND", default_value = "udp:53,udp:67,tcp:179,tcp:2379,tcp:2380,tcp:5473,tcp:6443,tcp:6666,tcp:6667", value_parser = parse_ports)]
+    failsafe_outbound: PortList,
     /// Name prefix of workload interfaces (Felix's InterfacePrefix).
     #[arg(long, env = "DPH_WORKLOAD_IFACE_PREFIX", default_value = "cali")]
     workload_iface_prefix: String,
     /// Program IPv6 as well as IPv4.
     #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     ipv6: bool,
+}
+
+/// A `proto:port,…` list (one value, so clap does not take it for a
+/// repeated flag).
+#[derive(Debug, Clone)]
+struct PortList(Vec<(String, u16)>);
+
+/// `tcp:22,udp:68` → [("tcp", 22), ("udp", 68)].
+fn parse_ports(s: &str) -> Result<PortList, String> {
+    s.split(',')
+        .filter(|x| !x.is_empty())
+        .map(|x| {
+            let (p, port) = x
+                .split_once(':')
+                .ok_or_else(|| format!("{x:?}: expected proto:port, e.g. tcp:22"))?;
+            if !matches!(p, "tcp" | "udp" | "sctp") {
+                return Err(format!("{x:?}: protocol must be tcp, udp or sctp"));
+            }
+            let port: u16 = port
+                .parse()
+                .map_err(|_| format!("{x:?}: port must be 0-65535"))?;
+            Ok((p.to_string(), port))
+        })
+        .collect::<Result<_, _>>()
+        .map(PortList)
 }
 
 impl ServeArgs {
@@ -300,6 +332,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 prefix: args.prefix.clone(),
                 workload_prefix: args.workload_iface_prefix.clone(),
                 marks: Marks::default(),
+                failsafe_in: args.failsafe_inbound.0.clone(),
+                failsafe_out: args.failsafe_outbound.0.clone(),
             },
             names.clone(),
         )),

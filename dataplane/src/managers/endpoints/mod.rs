@@ -45,6 +45,29 @@ pub struct EndpointsConfig {
     /// Interface name prefix of workload interfaces (`cali`).
     pub workload_prefix: String,
     pub marks: Marks,
+    /// Host ports that no host-endpoint policy can close: (protocol, port)
+    /// reaching the host, and leaving it.
+    pub failsafe_in: Vec<(String, u16)>,
+    pub failsafe_out: Vec<(String, u16)>,
+}
+
+/// Felix's default failsafe ports (ssh, dhcp, bgp, etcd, typha, k8s api).
+pub fn default_failsafe() -> (Vec<(String, u16)>, Vec<(String, u16)>) {
+    let p = |l: &[(&str, u16)]| l.iter().map(|(a, b)| (a.to_string(), *b)).collect();
+    let common = [
+        ("tcp", 179),
+        ("tcp", 2379),
+        ("tcp", 2380),
+        ("tcp", 5473),
+        ("tcp", 6443),
+        ("tcp", 6666),
+        ("tcp", 6667),
+    ];
+    let mut inbound = vec![("tcp", 22), ("udp", 68)];
+    inbound.extend(common);
+    let mut outbound = vec![("udp", 53), ("udp", 67)];
+    outbound.extend(common);
+    (p(&inbound), p(&outbound))
 }
 
 #[derive(Debug)]
@@ -55,6 +78,7 @@ pub struct EndpointsManager {
     policies: BTreeMap<PolicyId, Policy>,
     profiles: BTreeMap<Id, Profile>,
     endpoints: BTreeMap<WorkloadEndpointId, WorkloadEndpoint>,
+    hosts: BTreeMap<crate::model::HostEndpointId, crate::model::HostEndpoint>,
     dirty: bool,
     /// The IP sets that exist (rules naming others match as if empty).
     sets_known: BTreeSet<Id>,
@@ -78,6 +102,34 @@ fn rule(tokens: &[&str]) -> Result<Rule, ManagerError> {
     Rule::new(tokens.iter().copied()).map_err(bad)
 }
 
+/// `-p P -m multiport --dports a,b,… -j ACCEPT` per protocol (15 per rule).
+fn failsafe_rules(ports: &[(String, u16)]) -> Result<Vec<Rule>, ManagerError> {
+    let mut by_proto: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for (p, port) in ports {
+        by_proto
+            .entry(p.as_str())
+            .or_default()
+            .push(port.to_string());
+    }
+    let mut out = Vec::new();
+    for (p, list) in by_proto {
+        for chunk in list.chunks(15) {
+            let joined = chunk.join(",");
+            out.push(rule(&[
+                "-p",
+                p,
+                "-m",
+                "multiport",
+                "--dports",
+                &joined,
+                "-j",
+                "ACCEPT",
+            ])?);
+        }
+    }
+    Ok(out)
+}
+
 fn mark(m: u32) -> String {
     format!("{m:#x}/{m:#x}")
 }
@@ -96,6 +148,7 @@ impl EndpointsManager {
             policies: BTreeMap::new(),
             profiles: BTreeMap::new(),
             endpoints: BTreeMap::new(),
+            hosts: BTreeMap::new(),
             dirty: true,
             sets_known: BTreeSet::new(),
             links: BTreeMap::new(),
@@ -123,10 +176,21 @@ impl EndpointsManager {
         ep: &WorkloadEndpoint,
         dir: Direction,
     ) -> Result<Vec<Rule>, ManagerError> {
-        let m = self.cfg.marks;
         if ep.state == EndpointState::Down {
             return Ok(vec![rule(&["-j", "DROP"])?]);
         }
+        self.policy_body(&ep.tiers, &ep.profile_ids, dir, None)
+    }
+
+    /// conntrack, marks cleared, (failsafe), tiers, profiles, drop.
+    fn policy_body(
+        &self,
+        tiers: &[crate::model::TierInfo],
+        profile_ids: &[Id],
+        dir: Direction,
+        failsafe: Option<&str>,
+    ) -> Result<Vec<Rule>, ManagerError> {
+        let m = self.cfg.marks;
         let mut out = vec![
             rule(&[
                 "-m",
@@ -139,7 +203,10 @@ impl EndpointsManager {
             rule(&["-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?,
             rule(&["-j", "MARK", "--set-xmark", &clear(m.accept | m.pass)])?,
         ];
-        for tier in &ep.tiers {
+        if let Some(f) = failsafe {
+            out.push(rule(&["-j", f])?);
+        }
+        for tier in tiers {
             let policies = match dir {
                 Direction::Inbound => &tier.ingress_policies,
                 Direction::Outbound => &tier.egress_policies,
@@ -182,7 +249,7 @@ impl EndpointsManager {
                 ])?);
             }
         }
-        for prof in &ep.profile_ids {
+        for prof in profile_ids {
             if !self.profiles.contains_key(prof) {
                 continue;
             }
@@ -291,9 +358,56 @@ impl EndpointsManager {
                     "ACCEPT",
                 ])?,
                 rule(&["-i", &wl, "-j", "DROP"])?,
+                // Host endpoints (opt-in: interfaces without one are not
+                // policed), after the workload rules above.
+                rule(&["-j", &self.p("from-host-endpoint")])?,
+                rule(&["-m", "mark", "--mark", &mark(m.accept), "-j", "ACCEPT"])?,
             ],
         );
-        chains.insert(self.p("OUTPUT"), Vec::new());
+        // The host may reach its workloads (kubelet probes), as in Felix;
+        // traffic leaving through a host endpoint is policed.
+        chains.insert(
+            self.p("OUTPUT"),
+            vec![
+                rule(&["-o", &wl, "-j", "RETURN"])?,
+                rule(&["-j", &self.p("to-host-endpoint")])?,
+                rule(&["-m", "mark", "--mark", &mark(m.accept), "-j", "ACCEPT"])?,
+            ],
+        );
+        let (fs_in, fs_out) = (self.p("failsafe-in"), self.p("failsafe-out"));
+        chains.insert(fs_in.clone(), failsafe_rules(&self.cfg.failsafe_in)?);
+        chains.insert(fs_out.clone(), failsafe_rules(&self.cfg.failsafe_out)?);
+        let (mut from_host, mut to_host) = (Vec::new(), Vec::new());
+        for hep in self.hosts.values() {
+            let Some(iface) = &hep.name else {
+                continue; // "all interfaces" host endpoints: not yet
+            };
+            let iface = iface.as_str();
+            let fh = format!("{}-fh-{iface}", self.cfg.prefix);
+            let th = format!("{}-th-{iface}", self.cfg.prefix);
+            from_host.push(rule(&["-i", iface, "-g", &fh])?);
+            to_host.push(rule(&["-o", iface, "-g", &th])?);
+            chains.insert(
+                fh,
+                self.policy_body(
+                    &hep.tiers,
+                    &hep.profile_ids,
+                    Direction::Inbound,
+                    Some(&fs_in),
+                )?,
+            );
+            chains.insert(
+                th,
+                self.policy_body(
+                    &hep.tiers,
+                    &hep.profile_ids,
+                    Direction::Outbound,
+                    Some(&fs_out),
+                )?,
+            );
+        }
+        chains.insert(self.p("from-host-endpoint"), from_host);
+        chains.insert(self.p("to-host-endpoint"), to_host);
         let (mut from_rules, mut to_rules) = (Vec::new(), Vec::new());
         for ep in self.endpoints.values() {
             let iface = ep.name.as_str();
@@ -357,6 +471,12 @@ impl Manager for EndpointsManager {
             }
             Update::Remove(Key::WorkloadEndpoint(id)) => {
                 self.endpoints.remove(id);
+            }
+            Update::HostEndpoint(id, hep) => {
+                self.hosts.insert(id.clone(), hep.clone());
+            }
+            Update::Remove(Key::HostEndpoint(id)) => {
+                self.hosts.remove(id);
             }
             Update::IpSetUpdate(s) => {
                 if !self.sets_known.insert(s.id.clone()) {

@@ -9,6 +9,8 @@ fn mgr() -> EndpointsManager {
             prefix: "dph".into(),
             workload_prefix: "cali".into(),
             marks: Marks::default(),
+            failsafe_in: default_failsafe().0,
+            failsafe_out: default_failsafe().1,
         },
         SetNames::new("dph").unwrap(),
     )
@@ -159,7 +161,20 @@ fn workload_chains_tiers_profiles_and_dispatch() {
             "-i cali+ -j dph-from-wl-dispatch",
             "-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
             "-i cali+ -j DROP",
+            "-j dph-from-host-endpoint",
+            "-m mark --mark 0x10000/0x10000 -j ACCEPT",
         ]
+    );
+    assert_eq!(
+        text(&c["dph-failsafe-in"]),
+        [
+            "-p tcp -m multiport --dports 22,179,2379,2380,5473,6443,6666,6667 -j ACCEPT",
+            "-p udp -m multiport --dports 68 -j ACCEPT",
+        ]
+    );
+    assert!(
+        c["dph-from-host-endpoint"].is_empty(),
+        "no host endpoints: nothing policed"
     );
 }
 
