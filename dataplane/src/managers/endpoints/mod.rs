@@ -47,12 +47,15 @@ pub struct EndpointsConfig {
     pub marks: Marks,
     /// Host ports that no host-endpoint policy can close: (protocol, port)
     /// reaching the host, and leaving it.
-    pub failsafe_in: Vec<(String, u16)>,
-    pub failsafe_out: Vec<(String, u16)>,
+    pub failsafe_in: Ports,
+    pub failsafe_out: Ports,
 }
 
+/// (protocol, port) pairs.
+pub type Ports = Vec<(String, u16)>;
+
 /// Felix's default failsafe ports (ssh, dhcp, bgp, etcd, typha, k8s api).
-pub fn default_failsafe() -> (Vec<(String, u16)>, Vec<(String, u16)>) {
+pub fn default_failsafe() -> (Ports, Ports) {
     let p = |l: &[(&str, u16)]| l.iter().map(|(a, b)| (a.to_string(), *b)).collect();
     let common = [
         ("tcp", 179),
