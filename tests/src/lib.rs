@@ -15,6 +15,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+pub mod lab;
+
 use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::{self, to_dataplane::Payload};
 use dphandler_proto::v1::dataplane_client::DataplaneClient;

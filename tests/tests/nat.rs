@@ -9,16 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use dphandler_proto::felix;
+use dphandler_tests::lab::yaml_msgs;
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
-
-fn msgs(first: u64, yaml: &str) -> Vec<felix::ToDataplane> {
-    let mut v = dphandler_proto::text::parse_to_dataplane(yaml).expect("test YAML");
-    for (i, m) in v.iter_mut().enumerate() {
-        m.sequence_number = first + i as u64;
-    }
-    v
-}
 
 #[tokio::test]
 async fn masquerade_follows_the_pool() -> Result<()> {
@@ -145,12 +137,12 @@ workloadEndpointUpdate:\n  id: {orchestratorId: k8s, workloadId: ns/w, endpointI
     };
 
     // No pool yet: outside has no route back, so the connection fails.
-    let (rej, _) = push(&mut c, msgs(1, &format!("{base}---\ninSync: {{}}\n"))).await?;
+    let (rej, _) = push(&mut c, yaml_msgs(1, &format!("{base}---\ninSync: {{}}\n"))).await?;
     assert!(rej.is_empty(), "{rej:?}");
     assert!(!connect(), "without NAT the reply cannot come back");
 
     // A masquerading pool: the workload goes out as the node.
-    push(&mut c, msgs(10, &pool(true))).await?;
+    push(&mut c, yaml_msgs(10, &pool(true))).await?;
     let nat =
         String::from_utf8_lossy(&host.run("iptables-save", &["-t", "nat"])?.stdout).into_owned();
     assert!(nat.contains("-j MASQUERADE"), "{nat}");
@@ -162,7 +154,7 @@ workloadEndpointUpdate:\n  id: {orchestratorId: k8s, workloadId: ns/w, endpointI
     );
 
     // Masquerade off (and a route back): the workload's own address.
-    push(&mut c, msgs(20, &pool(false))).await?;
+    push(&mut c, yaml_msgs(20, &pool(false))).await?;
     let nat =
         String::from_utf8_lossy(&host.run("iptables-save", &["-t", "nat"])?.stdout).into_owned();
     assert!(!nat.contains("dph"), "nothing of ours left in nat: {nat}");

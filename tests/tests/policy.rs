@@ -7,120 +7,36 @@
 //! test's namespaces. Needs root.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use dphandler_proto::felix;
+use dphandler_tests::lab::{self, WorkloadSpec, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
-/// Runs `f` on a thread that entered namespace `ns`.
-fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns file");
-    std::thread::spawn(move || {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-    .join()
-    .expect("thread")
-}
-
-/// A workload namespace `iface` ↔ `eth0`, address `ip`.
+/// A workload namespace `iface` ↔ `eth0`, address `ip`, with the host's
+/// route to it added by hand (the daemon takes it over).
 fn workload(host: &Netns, iface: &str, ip: &str) -> Result<Netns> {
-    let wl = Netns::new("wl")?;
-    host.run(
-        "ip",
-        &[
-            "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &wl.0,
-        ],
-    )?;
-    host.run(
-        "ip",
-        &["link", "set", iface, "address", "ee:ee:ee:ee:ee:ee", "up"],
-    )?;
-    host.run("ip", &["route", "add", &format!("{ip}/32"), "dev", iface])?;
-    wl.run("ip", &["link", "set", "lo", "up"])?;
-    wl.run("ip", &["link", "set", "eth0", "up"])?;
-    wl.run("ip", &["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "default",
-            "via",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "neigh",
-            "add",
-            "169.254.1.1",
-            "lladdr",
-            "ee:ee:ee:ee:ee:ee",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ],
-    )?;
-    Ok(wl)
+    let n = iface.trim_start_matches("cali").parse().unwrap_or(9);
+    lab::workload(
+        host,
+        WorkloadSpec {
+            iface,
+            n,
+            v4: ip,
+            v6: None,
+            host_route: true,
+            host_neigh: false,
+        },
+    )
 }
 
-/// Listens on `ports` inside `ns` until dropped.
-struct Listener(Arc<AtomicBool>);
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-fn listen(ns: &str, ports: &[u16]) -> Listener {
-    let stop = Arc::new(AtomicBool::new(false));
-    for &port in ports {
-        let (stop, ns) = (stop.clone(), ns.to_string());
-        let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns file");
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            let l = TcpListener::bind(("0.0.0.0", port)).expect("bind");
-            l.set_nonblocking(true).unwrap();
-            ready_tx.send(()).unwrap();
-            while !stop.load(Ordering::Relaxed) {
-                match l.accept() {
-                    Ok((s, _)) => drop(s),
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
-        });
-        ready_rx.recv().unwrap();
-    }
-    Listener(stop)
+fn listen(ns: &str, ports: &[u16]) -> lab::Servers {
+    lab::serve(ns, ports, &[])
 }
 
 fn tcp(from: &Netns, to: &str, port: u16) -> bool {
     let addr: SocketAddr = format!("{to}:{port}").parse().unwrap();
-    in_ns(&from.0, move || {
-        TcpStream::connect_timeout(&addr, Duration::from_millis(700)).is_ok()
-    })
+    tcp_ok(from, addr, Duration::from_millis(700))
 }
 
 fn ping(from: &Netns, to: &str) -> bool {
@@ -129,15 +45,6 @@ fn ping(from: &Netns, to: &str) -> bool {
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
-}
-
-/// YAML of felix.ToDataplane messages, numbered from `first`.
-fn msgs(first: u64, yaml: &str) -> Vec<felix::ToDataplane> {
-    let mut v = dphandler_proto::text::parse_to_dataplane(yaml).expect("test YAML");
-    for (i, m) in v.iter_mut().enumerate() {
-        m.sequence_number = first + i as u64;
-    }
-    v
 }
 
 fn wep(iface: &str, ip: &str, extra: &str) -> String {
@@ -175,7 +82,7 @@ async fn connectivity_follows_policy() -> Result<()> {
         wep("cali1", "10.65.0.2", ""),
         wep("cali2", "10.65.0.3", "")
     );
-    let (rej, _) = push(&mut c, msgs(1, &yaml)).await?;
+    let (rej, _) = push(&mut c, yaml_msgs(1, &yaml)).await?;
     assert!(rej.is_empty(), "{rej:?}");
     assert!(!tcp(&w1, "10.65.0.3", 80), "no policy: denied");
     assert!(!ping(&w1, "10.65.0.3"));
@@ -198,7 +105,7 @@ async fn connectivity_follows_policy() -> Result<()> {
         wep("cali1", "10.65.0.2", "    profileIds: [kns.ns]\n"),
         wep("cali2", "10.65.0.3", "    profileIds: [kns.ns]\n")
     );
-    push(&mut c, msgs(10, &yaml)).await?;
+    push(&mut c, yaml_msgs(10, &yaml)).await?;
     assert!(tcp(&w1, "10.65.0.3", 80), "profile allows");
     assert!(tcp(&w1, "10.65.0.3", 81));
     assert!(ping(&w1, "10.65.0.3"));
@@ -219,7 +126,7 @@ async fn connectivity_follows_policy() -> Result<()> {
             &format!("    profileIds: [kns.ns]\n{tier}")
         )
     );
-    let (rej, _) = push(&mut c, msgs(20, &yaml)).await?;
+    let (rej, _) = push(&mut c, yaml_msgs(20, &yaml)).await?;
     assert!(rej.is_empty(), "{rej:?}");
     assert!(
         tcp(&w1, "10.65.0.3", 80),
@@ -231,7 +138,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     // 4. The set loses w1: tcp/80 is denied too.
     push(
         &mut c,
-        msgs(
+        yaml_msgs(
             30,
             "ipsetDeltaUpdate: {id: 's:clients', removedMembers: [10.65.0.2]}\n",
         ),
@@ -240,7 +147,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     assert!(!tcp(&w1, "10.65.0.3", 80), "no longer in the set");
     push(
         &mut c,
-        msgs(
+        yaml_msgs(
             31,
             "ipsetDeltaUpdate: {id: 's:clients', addedMembers: [10.65.0.2]}\n",
         ),
@@ -252,7 +159,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     //    the tier can allow, so the tier's default drop applies.
     push(
         &mut c,
-        msgs(40, "activePolicyRemove: {id: {name: default.web}}\n"),
+        yaml_msgs(40, "activePolicyRemove: {id: {name: default.web}}\n"),
     )
     .await?;
     assert!(!tcp(&w1, "10.65.0.3", 80));
@@ -261,7 +168,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     let pass = "    tiers:\n      - name: default\n        ingressPolicies: [{name: default.web}]\n        defaultAction: pass\n";
     push(
         &mut c,
-        msgs(
+        yaml_msgs(
             50,
             &wep(
                 "cali2",
@@ -276,7 +183,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     // 7. Administratively down: dropped whatever the profile says.
     push(
         &mut c,
-        msgs(
+        yaml_msgs(
             60,
             &wep(
                 "cali2",
@@ -291,7 +198,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     // 8. The endpoint removed: its interface is unknown, dispatch drops it.
     push(
         &mut c,
-        msgs(70, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
+        yaml_msgs(70, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
     )
     .await?;
     assert!(
@@ -362,7 +269,7 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
             &format!("    profileIds: [kns.ns]\n    mac: '{w2_mac}'\n")
         )
     );
-    let (rej, _) = push(&mut c, msgs(1, &yaml)).await?;
+    let (rej, _) = push(&mut c, yaml_msgs(1, &yaml)).await?;
     assert!(rej.is_empty(), "{rej:?}");
     let routes =
         String::from_utf8_lossy(&host.run("ip", &["route", "show", "proto", "80"])?.stdout)
@@ -405,7 +312,7 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
     // The endpoint goes: its route and neighbour go too.
     push(
         &mut c,
-        msgs(10, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
+        yaml_msgs(10, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
     )
     .await?;
     let routes =
@@ -461,7 +368,7 @@ async fn established_flows_survive_a_policy_change_new_ones_follow_it() -> Resul
         wep("cali1", "10.65.0.2", "    profileIds: [kns.ns]\n"),
         wep("cali2", "10.65.0.3", "    profileIds: [kns.ns]\n")
     );
-    push(&mut c, msgs(1, &yaml)).await?;
+    push(&mut c, yaml_msgs(1, &yaml)).await?;
 
     // A long-lived connection from w1, opened while allowed.
     let file = std::fs::File::open(format!("/run/netns/{}", w1.0))?;
@@ -489,7 +396,7 @@ async fn established_flows_survive_a_policy_change_new_ones_follow_it() -> Resul
     // The profile now denies new inbound connections to w2.
     push(
         &mut c,
-        msgs(10, "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: deny}]\n    outboundRules: [{action: allow}]\n"),
+        yaml_msgs(10, "activeProfileUpdate:\n  id: {name: kns.ns}\n  profile:\n    inboundRules: [{action: deny}]\n    outboundRules: [{action: allow}]\n"),
     )
     .await?;
     assert!(
@@ -504,7 +411,7 @@ async fn established_flows_survive_a_policy_change_new_ones_follow_it() -> Resul
     // The profile removed while the flow runs: still established.
     push(
         &mut c,
-        msgs(20, "activeProfileRemove: {id: {name: kns.ns}}\n"),
+        yaml_msgs(20, "activeProfileRemove: {id: {name: kns.ns}}\n"),
     )
     .await?;
     assert!(exchange(), "still established after the profile went");

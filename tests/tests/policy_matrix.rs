@@ -5,207 +5,15 @@
 //! the policy allows. All traffic stays inside the test's namespaces.
 //! Needs root.
 
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use anyhow::{Result, bail};
-use dphandler_proto::felix;
+use dphandler_tests::lab::{WorkloadSpec, in_ns, serve, tcp_ok, workload, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 const W1: (&str, &str) = ("10.65.0.2", "fd00:65::2");
 const W2: (&str, &str) = ("10.65.0.3", "fd00:65::3");
-
-fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns file");
-    std::thread::spawn(move || {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-    .join()
-    .expect("thread")
-}
-
-/// A workload set up as Calico's CNI does, with static neighbours both
-/// ways (as Calico programs them) so no ARP/NDP timing is involved.
-fn workload(host: &Netns, iface: &str, n: u8, (v4, v6): (&str, &str)) -> Result<Netns> {
-    let wl = Netns::new("mx")?;
-    let mac = format!("02:00:00:00:00:{n:02x}");
-    host.run(
-        "ip",
-        &[
-            "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &wl.0,
-        ],
-    )?;
-    host.run(
-        "ip",
-        &["link", "set", iface, "address", "ee:ee:ee:ee:ee:ee", "up"],
-    )?;
-    host.run("ip", &["route", "add", &format!("{v4}/32"), "dev", iface])?;
-    host.run(
-        "ip",
-        &["-6", "route", "add", &format!("{v6}/128"), "dev", iface],
-    )?;
-    host.run(
-        "ip",
-        &[
-            "neigh",
-            "add",
-            v4,
-            "lladdr",
-            &mac,
-            "dev",
-            iface,
-            "nud",
-            "permanent",
-        ],
-    )?;
-    host.run(
-        "ip",
-        &[
-            "-6",
-            "neigh",
-            "add",
-            v6,
-            "lladdr",
-            &mac,
-            "dev",
-            iface,
-            "nud",
-            "permanent",
-        ],
-    )?;
-    wl.run("ip", &["link", "set", "lo", "up"])?;
-    wl.run("ip", &["link", "set", "eth0", "address", &mac, "up"])?;
-    wl.run("ip", &["addr", "add", &format!("{v4}/32"), "dev", "eth0"])?;
-    wl.run(
-        "ip",
-        &[
-            "-6",
-            "addr",
-            "add",
-            &format!("{v6}/128"),
-            "dev",
-            "eth0",
-            "nodad",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "default",
-            "via",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "neigh",
-            "add",
-            "169.254.1.1",
-            "lladdr",
-            "ee:ee:ee:ee:ee:ee",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "-6",
-            "neigh",
-            "add",
-            "fe80::1",
-            "lladdr",
-            "ee:ee:ee:ee:ee:ee",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0",
-        ],
-    )?;
-    Ok(wl)
-}
-
-struct Servers(Arc<AtomicBool>);
-
-impl Drop for Servers {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-/// TCP listeners and UDP echo servers on `::` (both families) in `ns`.
-fn serve(ns: &str, tcp: &[u16], udp: &[u16]) -> Servers {
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut ready = Vec::new();
-    for (port, is_tcp) in tcp
-        .iter()
-        .map(|p| (*p, true))
-        .chain(udp.iter().map(|p| (*p, false)))
-    {
-        let (stop, file) = (
-            stop.clone(),
-            std::fs::File::open(format!("/run/netns/{ns}")).unwrap(),
-        );
-        let (tx, rx) = std::sync::mpsc::channel();
-        ready.push(rx);
-        std::thread::spawn(move || {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            if is_tcp {
-                let l = TcpListener::bind(("::", port)).expect("bind tcp");
-                l.set_nonblocking(true).unwrap();
-                tx.send(()).unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    match l.accept() {
-                        Ok((s, _)) => drop(s),
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            } else {
-                let s = UdpSocket::bind(("::", port)).expect("bind udp");
-                s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-                tx.send(()).unwrap();
-                let mut buf = [0u8; 64];
-                while !stop.load(Ordering::Relaxed) {
-                    if let Ok((n, from)) = s.recv_from(&mut buf) {
-                        let _ = s.send_to(&buf[..n], from);
-                    }
-                }
-            }
-        });
-    }
-    for r in ready {
-        r.recv().unwrap();
-    }
-    Servers(stop)
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Probe {
@@ -217,10 +25,7 @@ enum Probe {
 fn probe(from: &Netns, to: &str, p: Probe) -> bool {
     let ip: IpAddr = to.parse().unwrap();
     match p {
-        Probe::Tcp(port) => in_ns(&from.0, move || {
-            TcpStream::connect_timeout(&SocketAddr::new(ip, port), Duration::from_millis(400))
-                .is_ok()
-        }),
+        Probe::Tcp(port) => tcp_ok(from, SocketAddr::new(ip, port), Duration::from_millis(400)),
         Probe::Udp(port) => in_ns(&from.0, move || {
             let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
             let s = UdpSocket::bind(bind).unwrap();
@@ -428,14 +233,6 @@ fn baseline() -> String {
     )
 }
 
-fn numbered(first: u64, yaml: &str) -> Vec<felix::ToDataplane> {
-    let mut v = dphandler_proto::text::parse_to_dataplane(yaml).expect("test YAML");
-    for (i, m) in v.iter_mut().enumerate() {
-        m.sequence_number = first + i as u64;
-    }
-    v
-}
-
 #[tokio::test]
 async fn policy_scenarios_v4_and_v6() -> Result<()> {
     if !privileged() {
@@ -452,14 +249,22 @@ async fn policy_scenarios_v4_and_v6() -> Result<()> {
             "net.ipv6.conf.all.forwarding=1",
         ],
     )?;
-    let w1 = workload(&host, "cali1", 1, W1)?;
-    let w2 = workload(&host, "cali2", 2, W2)?;
+    let spec = |iface, n, (v4, v6): (&'static str, &'static str)| WorkloadSpec {
+        iface,
+        n,
+        v4,
+        v6: Some(v6),
+        host_route: true,
+        host_neigh: true,
+    };
+    let w1 = workload(&host, spec("cali1", 1, W1))?;
+    let w2 = workload(&host, spec("cali2", 2, W2))?;
     let _s = serve(&w2.0, &[80, 81, 8080], &[53, 54]);
     let d = Daemon::start(&host, &dir.path().join("dp.sock"), &[])?;
     let mut c = d.connect().await?;
     let mut seq = 1;
     let mut send = |yaml: String| {
-        let msgs = numbered(seq, &yaml);
+        let msgs = yaml_msgs(seq, &yaml);
         seq += msgs.len() as u64;
         msgs
     };
