@@ -80,6 +80,15 @@ pub enum StatusEvent {
     WorkloadEndpointStatusRemove {
         id: crate::model::WorkloadEndpointId,
     },
+    /// A host endpoint's status changed: `up` or `down`.
+    HostEndpointStatus {
+        id: crate::model::HostEndpointId,
+        status: &'static str,
+    },
+    /// A host endpoint is gone.
+    HostEndpointStatusRemove {
+        id: crate::model::HostEndpointId,
+    },
 }
 
 /// A snapshot of the loop's state, published after every change.

@@ -114,6 +114,23 @@ pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
                 },
             )
         }
+        StatusEvent::HostEndpointStatus { id, status } => {
+            from_dataplane::Payload::HostEndpointStatusUpdate(felix::HostEndpointStatusUpdate {
+                id: Some(felix::HostEndpointId {
+                    endpoint_id: id.0.as_str().to_string(),
+                }),
+                status: Some(felix::EndpointStatus {
+                    status: status.to_string(),
+                }),
+            })
+        }
+        StatusEvent::HostEndpointStatusRemove { id } => {
+            from_dataplane::Payload::HostEndpointStatusRemove(felix::HostEndpointStatusRemove {
+                id: Some(felix::HostEndpointId {
+                    endpoint_id: id.0.as_str().to_string(),
+                }),
+            })
+        }
         StatusEvent::WorkloadEndpointStatusRemove { id } => {
             from_dataplane::Payload::WorkloadEndpointStatusRemove(
                 felix::WorkloadEndpointStatusRemove {

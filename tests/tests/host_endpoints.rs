@@ -39,6 +39,22 @@ async fn host_endpoint_policy_and_failsafe_ports() -> Result<()> {
 
     let d = Daemon::start(&host, &dir.path().join("dp.sock"), &["--ipv6", "false"])?;
     let mut c = d.connect().await?;
+    let mut watch = c
+        .status_updates(dphandler_proto::v1::StatusUpdatesRequest {})
+        .await?
+        .into_inner();
+    let next_hep_status =
+        async |w: &mut tonic::Streaming<dphandler_proto::v1::StatusUpdate>| -> Result<String> {
+            loop {
+                let u = tokio::time::timeout(Duration::from_secs(5), w.message())
+                    .await??
+                    .ok_or_else(|| anyhow::anyhow!("StatusUpdates ended"))?;
+                let text = format!("{u:?}");
+                if text.contains("HostEndpointStatus") {
+                    return Ok(text);
+                }
+            }
+        };
     let (rej, _) = push(&mut c, yaml_msgs(1, "inSync: {}\n")).await?;
     assert!(rej.is_empty());
     assert!(
@@ -57,6 +73,11 @@ async fn host_endpoint_policy_and_failsafe_ports() -> Result<()> {
     assert!(!tcp(&out, "10.99.0.1:80"), "policed, nothing allowed");
     assert!(tcp(&out, "10.99.0.1:22"), "ssh is a failsafe port");
     assert!(!tcp(&host, "10.99.0.2:9000"), "egress policed too");
+    let st = next_hep_status(&mut watch).await?;
+    assert!(
+        st.contains("HostEndpointStatusUpdate") && st.contains("up0") && st.contains("\"up\""),
+        "{st}"
+    );
 
     // An ingress policy for tcp/80.
     let yaml = format!(
@@ -78,5 +99,10 @@ async fn host_endpoint_policy_and_failsafe_ports() -> Result<()> {
     .await?;
     assert!(tcp(&out, "10.99.0.1:8080"));
     assert!(tcp(&host, "10.99.0.2:9000"));
+    let st = next_hep_status(&mut watch).await?;
+    assert!(
+        st.contains("HostEndpointStatusRemove") && st.contains("up0"),
+        "{st}"
+    );
     Ok(())
 }

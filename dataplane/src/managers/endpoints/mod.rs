@@ -89,6 +89,7 @@ pub struct EndpointsManager {
     links: BTreeMap<String, bool>,
     /// The status last reported per endpoint.
     reported: BTreeMap<WorkloadEndpointId, &'static str>,
+    reported_hosts: BTreeMap<crate::model::HostEndpointId, &'static str>,
     /// The chains we set last time, per (table index): removed when no
     /// longer wanted.
     last: BTreeMap<usize, BTreeSet<String>>,
@@ -156,6 +157,7 @@ impl EndpointsManager {
             sets_known: BTreeSet::new(),
             links: BTreeMap::new(),
             reported: BTreeMap::new(),
+            reported_hosts: BTreeMap::new(),
             last: BTreeMap::new(),
         }
     }
@@ -538,6 +540,32 @@ impl Manager for EndpointsManager {
         for id in gone {
             self.reported.remove(&id);
             out.push(StatusEvent::WorkloadEndpointStatusRemove { id });
+        }
+        // Host endpoints: up when their interface exists and is up ("all
+        // interfaces" ones: up).
+        for (id, hep) in &self.hosts {
+            let up = hep
+                .name
+                .as_ref()
+                .is_none_or(|n| self.links.get(n.as_str()).copied().unwrap_or(false));
+            let status = if up { "up" } else { "down" };
+            if self.reported_hosts.get(id) != Some(&status) {
+                self.reported_hosts.insert(id.clone(), status);
+                out.push(StatusEvent::HostEndpointStatus {
+                    id: id.clone(),
+                    status,
+                });
+            }
+        }
+        let gone: Vec<crate::model::HostEndpointId> = self
+            .reported_hosts
+            .keys()
+            .filter(|id| !self.hosts.contains_key(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.reported_hosts.remove(&id);
+            out.push(StatusEvent::HostEndpointStatusRemove { id });
         }
         out
     }
