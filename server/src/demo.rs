@@ -229,7 +229,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     }
     println!(
         "(the workload's interface does not exist in the sandbox, so no route to it is \
-         programmed; host endpoints, VXLAN, WireGuard and XDP are the next issues: \
+         programmed; untracked and pre-DNAT policy, VXLAN, WireGuard and XDP are the next issues: \
          validated and held, not yet written to the kernel)"
     );
     drop(replies);
