@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use dphandler_proto::v1;
-use dphandler_tests::{Daemon, Netns, bin, in_sync, ipset, msg, privileged, tempdir};
+use dphandler_tests::{Daemon, Netns, bin, in_sync, ipset, msg, privileged, push, tempdir};
 
 #[tokio::test]
 async fn rate_limit_is_per_peer_and_says_so() -> Result<()> {
@@ -93,14 +93,7 @@ async fn oversized_message_is_refused_and_the_server_goes_on() -> Result<()> {
     // Small messages on a new stream still work, and nothing of the big one
     // is held.
     let small = vec![msg(1, ipset("s:small", &["10.9.9.9"])), msg(2, in_sync())];
-    let mut replies = client
-        .to_dataplane(tokio_stream::iter(small))
-        .await?
-        .into_inner();
-    while tokio::time::timeout(Duration::from_secs(10), replies.message())
-        .await??
-        .is_some()
-    {}
+    push(&mut client, small).await?;
     let st = client
         .get_status(v1::GetStatusRequest {})
         .await?

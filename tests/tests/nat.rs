@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
-use dphandler_tests::lab::yaml_msgs;
+use dphandler_tests::lab::{self, WorkloadSpec, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 #[tokio::test]
@@ -19,63 +19,20 @@ async fn masquerade_follows_the_pool() -> Result<()> {
     }
     let dir = tempdir()?;
     let host = Netns::new("nathost")?;
-    let wl = Netns::new("natwl")?;
     let out = Netns::new("natout")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
     host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
-    // The workload, as CNI would set it up.
-    host.run(
-        "ip",
-        &[
-            "link", "add", "cali1", "type", "veth", "peer", "name", "eth0", "netns", &wl.0,
-        ],
-    )?;
-    host.run(
-        "ip",
-        &["link", "set", "cali1", "address", "ee:ee:ee:ee:ee:ee", "up"],
-    )?;
-    wl.run(
-        "ip",
-        &["link", "set", "eth0", "address", "02:00:00:00:00:01", "up"],
-    )?;
-    wl.run("ip", &["addr", "add", "10.65.0.2/32", "dev", "eth0"])?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "route",
-            "add",
-            "default",
-            "via",
-            "169.254.1.1",
-            "dev",
-            "eth0",
-        ],
-    )?;
-    wl.run(
-        "ip",
-        &[
-            "neigh",
-            "add",
-            "169.254.1.1",
-            "lladdr",
-            "ee:ee:ee:ee:ee:ee",
-            "dev",
-            "eth0",
-            "nud",
-            "permanent",
-        ],
+    // The workload, as CNI would set it up; the daemon adds the route.
+    let wl = lab::workload(
+        &host,
+        WorkloadSpec {
+            iface: "cali1",
+            n: 1,
+            v4: "10.65.0.2",
+            v6: None,
+            host_route: false,
+            host_neigh: false,
+        },
     )?;
     // The uplink to "outside", which has no route back to the pool.
     host.run(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Result;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
 use dphandler_proto::v1;
-use dphandler_tests::{Daemon, Netns, bin, ipset, msg, privileged, tempdir};
+use dphandler_tests::{Daemon, Netns, bin, ipset, msg, privileged, push, tempdir};
 
 #[tokio::test]
 async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<()> {
@@ -114,14 +114,7 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
         msg(1, ipset("s:d", &["10.0.0.9"])),
         msg(2, Payload::InSync(felix::InSync {})),
     ];
-    let mut replies = client
-        .to_dataplane(tokio_stream::iter(msgs))
-        .await?
-        .into_inner();
-    while tokio::time::timeout(Duration::from_secs(10), replies.message())
-        .await??
-        .is_some()
-    {}
+    push(&mut client, msgs).await?;
     let st = client
         .get_status(v1::GetStatusRequest {})
         .await?

@@ -134,6 +134,13 @@ fn failsafe_rules(ports: &[(String, u16)]) -> Result<Vec<Rule>, ManagerError> {
     Ok(out)
 }
 
+/// `<head> -m mark --mark <mark> -j <target>`.
+fn on_mark(head: &[&str], mark: &str, target: &str) -> Result<Rule, ManagerError> {
+    let mut t = head.to_vec();
+    t.extend(["-m", "mark", "--mark", mark, "-j", target]);
+    rule(&t)
+}
+
 fn mark(m: u32) -> String {
     format!("{m:#x}/{m:#x}")
 }
@@ -226,32 +233,11 @@ impl EndpointsManager {
                     // Not (yet) known: it cannot allow anything.
                     continue;
                 }
-                out.push(rule(&[
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &clear(m.pass),
-                    "-j",
-                    &chain,
-                ])?);
-                out.push(rule(&[
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &mark(m.accept),
-                    "-j",
-                    "RETURN",
-                ])?);
+                out.push(on_mark(&[], &clear(m.pass), &chain)?);
+                out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
             }
             if tier.default_action == TierDefault::Deny {
-                out.push(rule(&[
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &clear(m.pass),
-                    "-j",
-                    "DROP",
-                ])?);
+                out.push(on_mark(&[], &clear(m.pass), "DROP")?);
             }
         }
         for prof in profile_ids {
@@ -260,14 +246,7 @@ impl EndpointsManager {
             }
             let chain = self.chains.profile(dir, prof);
             out.push(rule(&["-j", &chain])?);
-            out.push(rule(&[
-                "-m",
-                "mark",
-                "--mark",
-                &mark(m.accept),
-                "-j",
-                "RETURN",
-            ])?);
+            out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
         }
         out.push(rule(&["-j", "DROP"])?);
         Ok(out)
@@ -326,47 +305,20 @@ impl EndpointsManager {
             vec![
                 rule(&["-i", &wl, "-j", &from])?,
                 rule(&["-o", &wl, "-j", &to])?,
-                rule(&[
-                    "-i",
-                    &wl,
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &mark(m.accept),
-                    "-j",
-                    "ACCEPT",
-                ])?,
-                rule(&[
-                    "-o",
-                    &wl,
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &mark(m.accept),
-                    "-j",
-                    "ACCEPT",
-                ])?,
+                on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
+                on_mark(&["-o", &wl], &mark(m.accept), "ACCEPT")?,
             ],
         );
         chains.insert(
             self.p("INPUT"),
             vec![
                 rule(&["-i", &wl, "-j", &from])?,
-                rule(&[
-                    "-i",
-                    &wl,
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &mark(m.accept),
-                    "-j",
-                    "ACCEPT",
-                ])?,
+                on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
                 rule(&["-i", &wl, "-j", "DROP"])?,
                 // Host endpoints (opt-in: interfaces without one are not
                 // policed), after the workload rules above.
                 rule(&["-j", &self.p("from-host-endpoint")])?,
-                rule(&["-m", "mark", "--mark", &mark(m.accept), "-j", "ACCEPT"])?,
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
             ],
         );
         // The host may reach its workloads (kubelet probes), as in Felix;
@@ -376,7 +328,7 @@ impl EndpointsManager {
             vec![
                 rule(&["-o", &wl, "-j", "RETURN"])?,
                 rule(&["-j", &self.p("to-host-endpoint")])?,
-                rule(&["-m", "mark", "--mark", &mark(m.accept), "-j", "ACCEPT"])?,
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
             ],
         );
         let (fs_in, fs_out) = (self.p("failsafe-in"), self.p("failsafe-out"));
