@@ -7,10 +7,10 @@ use dphandler_dataplane::model::network::{
     WireguardEndpoint,
 };
 use dphandler_dataplane::model::{
-    Action, EndpointState, HostEndpoint, HostEndpointId, IcmpMatch, Id, IfaceName, IpSet,
-    IpSetDelta, IpSetType, IpVersion, Key, MacAddr, Member, Policy, PolicyId, PortRange, Profile,
-    Protocol, Rule, TierDefault, TierInfo, Update, Valid, ValidationError, WorkloadEndpoint,
-    WorkloadEndpointId, check_text, parse_ip, parse_ip_opt, parse_net,
+    Action, EndpointState, HostEndpoint, HostEndpointId, HostInterface, IcmpMatch, Id, IfaceName,
+    IpSet, IpSetDelta, IpSetType, IpVersion, Key, MacAddr, Member, Policy, PolicyId, PortRange,
+    Profile, Protocol, Rule, TierDefault, TierInfo, Update, Valid, ValidationError,
+    WorkloadEndpoint, WorkloadEndpointId, check_text, parse_ip, parse_ip_opt, parse_net,
 };
 
 use crate::felix::{self, to_dataplane::Payload};
@@ -571,10 +571,10 @@ fn host_endpoint(u: &felix::HostEndpointUpdate) -> Valid<Update> {
     let ep = at(
         (|| {
             Ok(HostEndpoint {
-                name: if e.name.is_empty() || e.name == "*" {
-                    None
-                } else {
-                    Some(at(IfaceName::new(&e.name), "name")?)
+                interface: match e.name.as_str() {
+                    "" => HostInterface::ByAddress,
+                    "*" => HostInterface::All,
+                    name => HostInterface::Named(at(IfaceName::new(name), "name")?),
                 },
                 profile_ids: list(&e.profile_ids, "profile_ids", Id::new)?,
                 tiers: tiers(&e.tiers, "tiers")?,

@@ -325,7 +325,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     kernel.routes = Some(Routes::new(args.route_protocol, Box::new(IpTool)));
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let managers: Vec<Box<dyn Manager>> = vec![
-        Box::new(IpSetsManager::new(args.max_ipset_size)),
+        Box::new(
+            IpSetsManager::new(args.max_ipset_size).with_host_ips(&args.workload_iface_prefix),
+        ),
         Box::new(NatManager::new(&args.prefix, names.clone())),
         Box::new(EndpointsManager::new(
             EndpointsConfig {

@@ -4,7 +4,7 @@
 //! family the dataplane programs (rules of either family may reference it),
 //! holding that family's members. No I/O here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
@@ -45,12 +45,40 @@ pub struct IpSetsManager {
     changes: HashMap<Id, Change>,
     /// IPAM pools: CIDR and whether traffic leaving it is masqueraded.
     pools: std::collections::BTreeMap<Id, (ipnet::IpNet, bool)>,
+    /// The host's addresses, when the host-IPs set is kept.
+    host_ips: Option<HostIps>,
+}
+
+/// What the host-IPs set is built from: every address of every interface
+/// but the workload ones (as Felix's `hostip_mgr.go`).
+#[derive(Debug)]
+struct HostIps {
+    workload_prefix: String,
+    ifaces: BTreeMap<u32, String>,
+    addrs: BTreeMap<u32, BTreeSet<std::net::IpAddr>>,
+    members: HashSet<Member>,
+}
+
+impl HostIps {
+    fn members(&self) -> HashSet<Member> {
+        self.addrs
+            .iter()
+            .filter(|(i, _)| {
+                self.ifaces
+                    .get(i)
+                    .is_some_and(|n| !n.starts_with(self.workload_prefix.as_str()))
+            })
+            .flat_map(|(_, a)| a.iter().map(|ip| Member::Ip(*ip)))
+            .collect()
+    }
 }
 
 /// The set of every IPAM pool's CIDR (Felix's `all-ipam-pools`).
 pub const ALL_POOLS: &str = "all-ipam-pools";
 /// The set of the CIDRs of pools with `masquerade` (`masq-ipam-pools`).
 pub const MASQ_POOLS: &str = "masq-ipam-pools";
+/// The set of this host's addresses (Felix's `this-host`).
+pub const HOST_IPS: &str = "this-host";
 
 impl IpSetsManager {
     /// `max_size` is every set's `maxelem`; a set that would grow beyond it
@@ -61,7 +89,30 @@ impl IpSetsManager {
             sets: HashMap::new(),
             changes: HashMap::new(),
             pools: Default::default(),
+            host_ips: None,
         }
+    }
+
+    /// Also keep the host-IPs set ([`HOST_IPS`]): the addresses of every
+    /// interface whose name does not start with `workload_prefix`, from
+    /// the interface monitor.
+    pub fn with_host_ips(mut self, workload_prefix: &str) -> Self {
+        self.host_ips = Some(HostIps {
+            workload_prefix: workload_prefix.to_string(),
+            ifaces: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            members: HashSet::new(),
+        });
+        let id = Id::new(HOST_IPS).expect("a valid id");
+        self.sets.insert(
+            id.clone(),
+            DesiredSet {
+                set_type: IpSetType::Ip,
+                members: HashSet::new(),
+            },
+        );
+        self.changes.insert(id, Change::Full);
+        self
     }
 
     /// Rebuilds the two sets derived from the IPAM pools (type NET; ids
@@ -210,6 +261,44 @@ impl Manager for IpSetsManager {
                 self.update_pool_sets();
             }
             _ => {}
+        }
+    }
+
+    fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
+        use crate::interfaces::InterfaceEvent as E;
+        let Some(h) = &mut self.host_ips else {
+            return;
+        };
+        match event {
+            E::Link { index, name, .. } => {
+                h.ifaces.insert(*index, name.clone());
+            }
+            E::LinkRemoved { index, .. } => {
+                h.ifaces.remove(index);
+                h.addrs.remove(index);
+            }
+            E::AddrAdded { index, addr } => {
+                h.addrs.entry(*index).or_default().insert(addr.addr());
+            }
+            E::AddrRemoved { index, addr } => {
+                if let Some(a) = h.addrs.get_mut(index) {
+                    a.remove(&addr.addr());
+                }
+            }
+            E::InSync => return,
+        }
+        let members = h.members();
+        if members != h.members {
+            h.members = members.clone();
+            let id = Id::new(HOST_IPS).expect("a valid id");
+            self.sets.insert(
+                id.clone(),
+                DesiredSet {
+                    set_type: IpSetType::Ip,
+                    members,
+                },
+            );
+            self.changes.insert(id, Change::Full);
         }
     }
 
@@ -387,5 +476,63 @@ mod tests {
         let all = v4.0.lock().unwrap().clone();
         assert_eq!(all.len(), 2);
         assert!(all[1].contains("create dph40s:a hash:net"), "{all:?}");
+    }
+
+    #[test]
+    fn host_ips_follow_the_interfaces_but_not_workloads() {
+        use crate::interfaces::InterfaceEvent as E;
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE).with_host_ips("cali");
+        let (mut k, v4, v6) = kernel();
+        let link = |index, name: &str| E::Link {
+            index,
+            name: name.into(),
+            up: true,
+        };
+        let addr = |index, a: &str| E::AddrAdded {
+            index,
+            addr: a.parse().unwrap(),
+        };
+        for e in [
+            link(1, "eth0"),
+            addr(1, "10.0.0.5/24"),
+            addr(1, "fd00::5/64"),
+            link(2, "cali1"),
+            addr(2, "169.254.1.1/32"),
+        ] {
+            mgr.on_interface(&e);
+        }
+        mgr.complete_deferred_work(&mut k).unwrap();
+        for b in &mut k.ipsets {
+            for ph in Phase::ALL {
+                b.apply(ph).unwrap();
+            }
+        }
+        let s4 = v4.0.lock().unwrap().join("\n");
+        assert!(s4.contains("create dph40this-host hash:ip"), "{s4}");
+        assert!(s4.contains("add dph40this-host 10.0.0.5"), "{s4}");
+        assert!(
+            !s4.contains("169.254.1.1"),
+            "workload interfaces are not the host's"
+        );
+        assert!(
+            v6.0.lock()
+                .unwrap()
+                .join("\n")
+                .contains("add dph60this-host fd00::5")
+        );
+
+        // The address goes away: so does the member.
+        mgr.on_interface(&E::AddrRemoved {
+            index: 1,
+            addr: "10.0.0.5/24".parse().unwrap(),
+        });
+        mgr.complete_deferred_work(&mut k).unwrap();
+        for b in &mut k.ipsets {
+            for ph in Phase::ALL {
+                b.apply(ph).unwrap();
+            }
+        }
+        let last = v4.0.lock().unwrap().last().cloned().unwrap();
+        assert!(last.contains("del dph40this-host 10.0.0.5"), "{last}");
     }
 }

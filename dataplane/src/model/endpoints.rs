@@ -85,11 +85,23 @@ pub struct WorkloadEndpoint {
     pub allow_spoofed_source_prefixes: Vec<ipnet::IpNet>,
 }
 
+/// The interface(s) a host endpoint applies to, from its `name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostInterface {
+    /// `name` given: that interface.
+    Named(IfaceName),
+    /// `name` empty: the interface holding one of the expected addresses.
+    ByAddress,
+    /// `name` is `*`: every host interface that no other host endpoint
+    /// claims (workload interfaces and `lo` excepted).
+    All,
+}
+
 /// `HostEndpoint`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostEndpoint {
-    /// Interface; `None` means "all interfaces" (selected by expected IPs).
-    pub name: Option<IfaceName>,
+    /// Which host interface(s) the endpoint stands for.
+    pub interface: HostInterface,
     pub profile_ids: Vec<Id>,
     pub tiers: Vec<TierInfo>,
     pub untracked_tiers: Vec<TierInfo>,

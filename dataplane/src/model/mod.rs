@@ -15,8 +15,8 @@ use std::fmt;
 use std::net::IpAddr;
 
 pub use endpoints::{
-    EndpointState, HostEndpoint, HostEndpointId, TierDefault, TierInfo, WorkloadEndpoint,
-    WorkloadEndpointId,
+    EndpointState, HostEndpoint, HostEndpointId, HostInterface, TierDefault, TierInfo,
+    WorkloadEndpoint, WorkloadEndpointId,
 };
 pub use ipsets::{IpSet, IpSetDelta, IpSetType, Member};
 pub use network::{

@@ -343,6 +343,16 @@ impl Table {
         out
     }
 
+    /// The desired rules of chain `name`, if it is set.
+    pub fn chain(&self, name: &str) -> Option<&[Rule]> {
+        self.chains.get(name).map(|c| c.rules.as_slice())
+    }
+
+    /// The desired rules of built-in chain `builtin`'s hooks.
+    pub fn hooks(&self, builtin: &str) -> &[Rule] {
+        self.hooks.get(builtin).map_or(&[], Vec::as_slice)
+    }
+
     /// The table as last read or written.
     pub fn observed(&self) -> Option<&BTreeMap<String, ObservedChain>> {
         self.observed.as_ref()

@@ -1,42 +1,70 @@
-//! Policy enforcement for workload endpoints in the filter table, as
-//! Felix's `endpoint_mgr.go` and `rules/` lay it out. No I/O here: it sets
-//! chains in the filter table objects of every IP version.
+//! Policy enforcement for workload and host endpoints, as Felix's
+//! `endpoint_mgr.go`, `policy_mgr.go` and `rules/` lay it out. No I/O here:
+//! it sets chains in the filter, raw and mangle table objects of every IP
+//! version, and the workload routes, neighbours and sysctls.
 //!
-//! - `<prefix>-FORWARD`, hooked from FORWARD: traffic from a workload
-//!   interface goes through `<prefix>-from-wl-dispatch`, traffic to one
-//!   through `<prefix>-to-wl-dispatch`; what they accepted (accept mark) is
-//!   accepted.
+//! filter:
+//! - `<prefix>-FORWARD`, hooked from FORWARD: marks cleared; traffic from a
+//!   host endpoint through `<prefix>-from-hep-forward` (unless raw or
+//!   mangle accepted it), from a workload interface through
+//!   `<prefix>-from-wl-dispatch`, to one through `<prefix>-to-wl-dispatch`,
+//!   to a host endpoint through `<prefix>-to-hep-forward`; what they
+//!   accepted (accept mark) is accepted.
 //! - `<prefix>-INPUT`, hooked from INPUT: traffic from a workload to the
 //!   host goes through the workload's egress policy, then is accepted if
 //!   allowed and dropped otherwise (Felix's DefaultEndpointToHostAction
-//!   DROP). `<prefix>-OUTPUT` is hooked and empty: the host may reach its
-//!   workloads (kubelet probes), as in Felix.
-//! - The dispatch chains send each known workload interface to its own
-//!   chain and drop every other workload interface (fail closed).
-//! - `<prefix>-tw-<iface>` (to the workload: ingress) and `<prefix>-fw-
+//!   DROP); then what raw/mangle accepted is accepted; then host endpoint
+//!   policy through `<prefix>-from-host-endpoint`. `<prefix>-OUTPUT`: the
+//!   host may reach its workloads (kubelet probes), as in Felix; the rest
+//!   goes through `<prefix>-to-host-endpoint`.
+//! - Workload dispatch sends each known workload interface to its own
+//!   chain and drops every other workload interface (fail closed).
+//!   `<prefix>-tw-<iface>` (to the workload: ingress) and `<prefix>-fw-
 //!   <iface>` (from it: egress): conntrack established/related accept,
 //!   invalid drop, the marks cleared, then per tier each policy's chain
 //!   (while no policy of the tier passed), return when accepted, the tier's
 //!   default drop unless it passes; then the profiles; then drop. An
 //!   endpoint that is administratively down gets a single drop rule.
+//! - Host endpoints: `<prefix>-fh-<iface>` / `-th-` (to and from the host,
+//!   failsafe ports first) and `-fhfw-` / `-thfw-` (forwarded through the
+//!   interface: forward tiers; allowed when none applies); the
+//!   all-interfaces endpoint's chains end in `any` (`<prefix>-fhany`).
 //! - Policy and profile chains (`<prefix>-pi-…`, `-po-…`, `-pri-…`,
-//!   `-pro-…`) hold the rendered rules; only those an endpoint uses are
-//!   programmed.
+//!   `-pro-…`) hold the rendered rules.
+//!
+//! raw and mangle, only while some host endpoint has untracked or pre-DNAT
+//! policy: `<prefix>-PREROUTING` (both) and `<prefix>-OUTPUT` (raw),
+//! hooked from the built-ins, dispatch to `<prefix>-fh-`/`-th-` chains of
+//! untracked policy (what it allows is NOTRACKed and accepted) or pre-DNAT
+//! policy (accepted); the policy chains of untracked policies live in raw,
+//! of pre-DNAT policies in mangle.
+//!
+//! Work is incremental: a change re-renders only the chains of the
+//! policies, profiles and endpoints it touched (plus the dispatch and host
+//! chains when endpoints come or go); the table backend then writes only
+//! what differs.
 
-use std::collections::{BTreeMap, BTreeSet};
+mod chains;
+mod hosts;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
 use crate::backends::iptables::{Rule, RuleError};
 use crate::model::ipsets::SetNames;
 use crate::model::{
-    EndpointState, Id, IpVersion, Key, Policy, PolicyId, Profile, TierDefault, Update,
-    WorkloadEndpoint, WorkloadEndpointId,
+    EndpointState, HostEndpoint, HostEndpointId, Id, IpVersion, Key, Policy, PolicyId, Profile,
+    Update, WorkloadEndpoint, WorkloadEndpointId,
 };
-use crate::rules::{ChainNames, Direction, Marks, Renderer};
+use crate::rules::{ChainNames, Marks};
+use chains::{FILTER, MANGLE, RAW};
 
-/// Built-in filter chains we hook, and our chain for each.
+/// Built-in chains we hook, per table, and our chain for each.
 pub const FILTER_HOOKS: [&str; 3] = ["INPUT", "FORWARD", "OUTPUT"];
+const RAW_HOOKS: [&str; 2] = ["PREROUTING", "OUTPUT"];
+const MANGLE_HOOKS: [&str; 1] = ["PREROUTING"];
 
 #[derive(Debug, Clone)]
 pub struct EndpointsConfig {
@@ -73,6 +101,45 @@ pub fn default_failsafe() -> (Ports, Ports) {
     (p(&inbound), p(&outbound))
 }
 
+/// Who set a chain: so that its chains can be re-rendered, and the stale
+/// ones removed, on its own.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Owner {
+    Policy(PolicyId),
+    Profile(Id),
+    Workload(WorkloadEndpointId),
+    /// Top-level, dispatch, failsafe and host endpoint chains.
+    Static,
+}
+
+/// What changed since the last `complete_deferred_work`.
+#[derive(Debug, Default)]
+struct Dirty {
+    /// Everything (the first time).
+    all: bool,
+    policies: BTreeSet<PolicyId>,
+    profiles: BTreeSet<Id>,
+    workloads: BTreeSet<WorkloadEndpointId>,
+    /// IP sets that came or went: rules naming them change.
+    sets: BTreeSet<Id>,
+    /// Dispatch chains, host endpoints, top-level chains.
+    statics: bool,
+    /// Routes, neighbours and sysctls.
+    routes: bool,
+}
+
+impl Dirty {
+    fn any(&self) -> bool {
+        self.all
+            || self.statics
+            || self.routes
+            || !(self.policies.is_empty()
+                && self.profiles.is_empty()
+                && self.workloads.is_empty()
+                && self.sets.is_empty())
+    }
+}
+
 #[derive(Debug)]
 pub struct EndpointsManager {
     cfg: EndpointsConfig,
@@ -81,18 +148,28 @@ pub struct EndpointsManager {
     policies: BTreeMap<PolicyId, Policy>,
     profiles: BTreeMap<Id, Profile>,
     endpoints: BTreeMap<WorkloadEndpointId, WorkloadEndpoint>,
-    hosts: BTreeMap<crate::model::HostEndpointId, crate::model::HostEndpoint>,
-    dirty: bool,
+    hosts: BTreeMap<HostEndpointId, HostEndpoint>,
+    /// Which workloads name each policy / profile: their chains change when
+    /// it comes or goes.
+    policy_users: HashMap<PolicyId, BTreeSet<WorkloadEndpointId>>,
+    profile_users: HashMap<Id, BTreeSet<WorkloadEndpointId>>,
+    dirty: Dirty,
     /// The IP sets that exist (rules naming others match as if empty).
     sets_known: BTreeSet<Id>,
     /// Links by name, and whether they are up (from the interface monitor).
     links: BTreeMap<String, bool>,
+    /// Link index → name, and each link's addresses.
+    ifaces: BTreeMap<u32, String>,
+    addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// The host endpoints as last resolved against the interfaces.
+    resolved: hosts::Resolved,
     /// The status last reported per endpoint.
     reported: BTreeMap<WorkloadEndpointId, &'static str>,
-    reported_hosts: BTreeMap<crate::model::HostEndpointId, &'static str>,
-    /// The chains we set last time, per (table index): removed when no
-    /// longer wanted.
-    last: BTreeMap<usize, BTreeSet<String>>,
+    reported_hosts: BTreeMap<HostEndpointId, &'static str>,
+    /// The chains each owner set, per table index.
+    owned: HashMap<Owner, Vec<(usize, String)>>,
+    /// All-interfaces endpoints with untracked policy already warned about.
+    warned: BTreeSet<HostEndpointId>,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -104,34 +181,6 @@ fn bad(e: RuleError) -> ManagerError {
 
 fn rule(tokens: &[&str]) -> Result<Rule, ManagerError> {
     Rule::new(tokens.iter().copied()).map_err(bad)
-}
-
-/// `-p P -m multiport --dports a,b,… -j ACCEPT` per protocol (15 per rule).
-fn failsafe_rules(ports: &[(String, u16)]) -> Result<Vec<Rule>, ManagerError> {
-    let mut by_proto: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for (p, port) in ports {
-        by_proto
-            .entry(p.as_str())
-            .or_default()
-            .push(port.to_string());
-    }
-    let mut out = Vec::new();
-    for (p, list) in by_proto {
-        for chunk in list.chunks(15) {
-            let joined = chunk.join(",");
-            out.push(rule(&[
-                "-p",
-                p,
-                "-m",
-                "multiport",
-                "--dports",
-                &joined,
-                "-j",
-                "ACCEPT",
-            ])?);
-        }
-    }
-    Ok(out)
 }
 
 /// `<head> -m mark --mark <mark> -j <target>`.
@@ -149,6 +198,28 @@ fn clear(m: u32) -> String {
     format!("0/{m:#x}")
 }
 
+/// The IP set ids the rules name.
+fn set_refs(rules: &[crate::model::Rule]) -> impl Iterator<Item = &Id> {
+    rules.iter().flat_map(|r| {
+        r.src_ip_set_ids
+            .iter()
+            .chain(&r.dst_ip_set_ids)
+            .chain(&r.dst_ip_port_set_ids)
+            .chain(&r.src_named_port_ip_set_ids)
+            .chain(&r.dst_named_port_ip_set_ids)
+            .chain(&r.not_src_ip_set_ids)
+            .chain(&r.not_dst_ip_set_ids)
+            .chain(&r.not_src_named_port_ip_set_ids)
+            .chain(&r.not_dst_named_port_ip_set_ids)
+    })
+}
+
+fn names_any(rules: [&[crate::model::Rule]; 2], sets: &BTreeSet<Id>) -> bool {
+    rules
+        .into_iter()
+        .any(|r| set_refs(r).any(|id| sets.contains(id)))
+}
+
 impl EndpointsManager {
     pub fn new(cfg: EndpointsConfig, sets: SetNames) -> Self {
         let chains = ChainNames::new(&cfg.prefix);
@@ -160,96 +231,141 @@ impl EndpointsManager {
             profiles: BTreeMap::new(),
             endpoints: BTreeMap::new(),
             hosts: BTreeMap::new(),
-            dirty: true,
+            policy_users: HashMap::new(),
+            profile_users: HashMap::new(),
+            dirty: Dirty {
+                all: true,
+                ..Dirty::default()
+            },
             sets_known: BTreeSet::new(),
             links: BTreeMap::new(),
+            ifaces: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            resolved: hosts::Resolved::default(),
             reported: BTreeMap::new(),
             reported_hosts: BTreeMap::new(),
-            last: BTreeMap::new(),
+            owned: HashMap::new(),
+            warned: BTreeSet::new(),
         }
     }
 
-    fn p(&self, suffix: &str) -> String {
-        format!("{}-{suffix}", self.cfg.prefix)
-    }
-
-    /// `<prefix>-tw-<iface>` / `<prefix>-fw-<iface>`.
-    pub fn endpoint_chain(&self, dir: Direction, iface: &str) -> String {
-        let d = match dir {
-            Direction::Inbound => "tw",
-            Direction::Outbound => "fw",
-        };
-        format!("{}-{d}-{iface}", self.cfg.prefix)
-    }
-
-    /// The chain for one endpoint and direction.
-    fn endpoint_rules(
-        &self,
-        ep: &WorkloadEndpoint,
-        dir: Direction,
-    ) -> Result<Vec<Rule>, ManagerError> {
-        if ep.state == EndpointState::Down {
-            return Ok(vec![rule(&["-j", "DROP"])?]);
-        }
-        self.policy_body(&ep.tiers, &ep.profile_ids, dir, None)
-    }
-
-    /// conntrack, marks cleared, (failsafe), tiers, profiles, drop.
-    fn policy_body(
-        &self,
-        tiers: &[crate::model::TierInfo],
-        profile_ids: &[Id],
-        dir: Direction,
-        failsafe: Option<&str>,
-    ) -> Result<Vec<Rule>, ManagerError> {
-        let m = self.cfg.marks;
-        let mut out = vec![
-            rule(&[
-                "-m",
-                "conntrack",
-                "--ctstate",
-                "RELATED,ESTABLISHED",
-                "-j",
-                "ACCEPT",
-            ])?,
-            rule(&["-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?,
-            rule(&["-j", "MARK", "--set-xmark", &clear(m.accept | m.pass)])?,
-        ];
-        if let Some(f) = failsafe {
-            out.push(rule(&["-j", f])?);
-        }
-        for tier in tiers {
-            let policies = match dir {
-                Direction::Inbound => &tier.ingress_policies,
-                Direction::Outbound => &tier.egress_policies,
-            };
-            if policies.is_empty() {
-                continue;
+    /// Index (or unindex) a workload's policy and profile references.
+    fn index(&mut self, id: &WorkloadEndpointId, ep: &WorkloadEndpoint, add: bool) {
+        let pols = ep
+            .tiers
+            .iter()
+            .flat_map(|t| t.ingress_policies.iter().chain(&t.egress_policies));
+        for p in pols {
+            let users = self.policy_users.entry(p.clone()).or_default();
+            if add {
+                users.insert(id.clone());
+            } else {
+                users.remove(id);
+                if users.is_empty() {
+                    self.policy_users.remove(p);
+                }
             }
-            out.push(rule(&["-j", "MARK", "--set-xmark", &clear(m.pass)])?);
-            for pid in policies {
-                let chain = self.chains.policy(dir, pid);
-                if !self.policies.contains_key(pid) {
-                    // Not (yet) known: it cannot allow anything.
+        }
+        for p in &ep.profile_ids {
+            let users = self.profile_users.entry(p.clone()).or_default();
+            if add {
+                users.insert(id.clone());
+            } else {
+                users.remove(id);
+                if users.is_empty() {
+                    self.profile_users.remove(p);
+                }
+            }
+        }
+    }
+
+    /// A policy came, went or moved table: the chains that jump to it.
+    fn policy_presence_changed(&mut self, id: &PolicyId) {
+        if let Some(users) = self.policy_users.get(id) {
+            self.dirty.workloads.extend(users.iter().cloned());
+        }
+        self.dirty.statics |= !self.hosts.is_empty();
+    }
+
+    fn profile_presence_changed(&mut self, id: &Id) {
+        if let Some(users) = self.profile_users.get(id) {
+            self.dirty.workloads.extend(users.iter().cloned());
+        }
+        self.dirty.statics |= !self.hosts.is_empty();
+    }
+
+    /// The chains `owner` wants in table `table` (of version `v`).
+    fn render(
+        &self,
+        owner: &Owner,
+        table: &str,
+        v: IpVersion,
+    ) -> Result<chains::Chains, ManagerError> {
+        match owner {
+            Owner::Policy(id) => self.policy_chains(id, table, v),
+            Owner::Profile(id) if table == FILTER => self.profile_chains(id, v),
+            Owner::Workload(id) if table == FILTER => match self.endpoints.get(id) {
+                Some(ep) => self.workload_chains(ep),
+                None => Ok(chains::Chains::new()),
+            },
+            Owner::Static => self.static_chains(table, &self.resolved),
+            _ => Ok(chains::Chains::new()),
+        }
+    }
+
+    /// Re-render `owners` into every endpoint table and drop the chains
+    /// they no longer want.
+    fn apply_owners(
+        &mut self,
+        owners: Vec<Owner>,
+        kernel: &mut DesiredKernel,
+    ) -> Result<(), ManagerError> {
+        for owner in owners {
+            let mut now: Vec<(usize, String)> = Vec::new();
+            for (i, t) in kernel.tables.iter_mut().enumerate() {
+                let table = t.table();
+                if ![FILTER, RAW, MANGLE].contains(&table) {
                     continue;
                 }
-                out.push(on_mark(&[], &clear(m.pass), &chain)?);
-                out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
+                for (name, rules) in self.render(&owner, table, t.version())? {
+                    t.set_chain(&name, rules).map_err(bad)?;
+                    now.push((i, name));
+                }
             }
-            if tier.default_action == TierDefault::Deny {
-                out.push(on_mark(&[], &clear(m.pass), "DROP")?);
+            let before = self.owned.remove(&owner).unwrap_or_default();
+            for (i, name) in before {
+                if !now.contains(&(i, name.clone())) {
+                    kernel.tables[i].remove_chain(&name);
+                }
+            }
+            if !now.is_empty() {
+                self.owned.insert(owner, now);
             }
         }
-        for prof in profile_ids {
-            if !self.profiles.contains_key(prof) {
-                continue;
+        Ok(())
+    }
+
+    /// The hooks from the built-in chains: filter always; raw and mangle
+    /// only while they hold host endpoint policy.
+    fn set_hooks(&self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        let active = self.host_tables_active(&self.resolved);
+        for t in kernel.tables.iter_mut() {
+            let (hooks, on): (&[&str], bool) = match t.table() {
+                FILTER => (&FILTER_HOOKS, true),
+                RAW => (&RAW_HOOKS, active),
+                MANGLE => (&MANGLE_HOOKS, active),
+                _ => continue,
+            };
+            for hook in hooks {
+                let rules = if on {
+                    vec![rule(&["-j", &self.p(hook)])?]
+                } else {
+                    Vec::new()
+                };
+                t.set_hooks(hook, rules).map_err(bad)?;
             }
-            let chain = self.chains.profile(dir, prof);
-            out.push(rule(&["-j", &chain])?);
-            out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
         }
-        out.push(rule(&["-j", "DROP"])?);
-        Ok(out)
+        Ok(())
     }
 
     /// /32 and /128 routes to each workload whose interface exists, and a
@@ -287,120 +403,26 @@ impl EndpointsManager {
         (routes, neighbours)
     }
 
-    /// Every chain of one IP version: name → rules.
-    fn desired(&self, v: IpVersion) -> Result<BTreeMap<String, Vec<Rule>>, ManagerError> {
-        let r = Renderer {
-            sets: self.sets.clone(),
-            marks: self.cfg.marks,
-            version: v,
-            log_prefix: self.p("policy"),
-            known_sets: Some(&self.sets_known),
+    fn warn_unsupported(&mut self) {
+        let Some(id) = self.resolved.all.clone() else {
+            return;
         };
-        let m = self.cfg.marks;
-        let wl = format!("{}+", self.cfg.workload_prefix);
-        let (from, to) = (self.p("from-wl-dispatch"), self.p("to-wl-dispatch"));
-        let mut chains = BTreeMap::new();
-        chains.insert(
-            self.p("FORWARD"),
-            vec![
-                rule(&["-i", &wl, "-j", &from])?,
-                rule(&["-o", &wl, "-j", &to])?,
-                on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
-                on_mark(&["-o", &wl], &mark(m.accept), "ACCEPT")?,
-            ],
-        );
-        chains.insert(
-            self.p("INPUT"),
-            vec![
-                rule(&["-i", &wl, "-j", &from])?,
-                on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
-                rule(&["-i", &wl, "-j", "DROP"])?,
-                // Host endpoints (opt-in: interfaces without one are not
-                // policed), after the workload rules above.
-                rule(&["-j", &self.p("from-host-endpoint")])?,
-                on_mark(&[], &mark(m.accept), "ACCEPT")?,
-            ],
-        );
-        // The host may reach its workloads (kubelet probes), as in Felix;
-        // traffic leaving through a host endpoint is policed.
-        chains.insert(
-            self.p("OUTPUT"),
-            vec![
-                rule(&["-o", &wl, "-j", "RETURN"])?,
-                rule(&["-j", &self.p("to-host-endpoint")])?,
-                on_mark(&[], &mark(m.accept), "ACCEPT")?,
-            ],
-        );
-        let (fs_in, fs_out) = (self.p("failsafe-in"), self.p("failsafe-out"));
-        chains.insert(fs_in.clone(), failsafe_rules(&self.cfg.failsafe_in)?);
-        chains.insert(fs_out.clone(), failsafe_rules(&self.cfg.failsafe_out)?);
-        let (mut from_host, mut to_host) = (Vec::new(), Vec::new());
-        for hep in self.hosts.values() {
-            let Some(iface) = &hep.name else {
-                continue; // "all interfaces" host endpoints: not yet
-            };
-            let iface = iface.as_str();
-            let fh = format!("{}-fh-{iface}", self.cfg.prefix);
-            let th = format!("{}-th-{iface}", self.cfg.prefix);
-            from_host.push(rule(&["-i", iface, "-g", &fh])?);
-            to_host.push(rule(&["-o", iface, "-g", &th])?);
-            chains.insert(
-                fh,
-                self.policy_body(
-                    &hep.tiers,
-                    &hep.profile_ids,
-                    Direction::Inbound,
-                    Some(&fs_in),
-                )?,
-            );
-            chains.insert(
-                th,
-                self.policy_body(
-                    &hep.tiers,
-                    &hep.profile_ids,
-                    Direction::Outbound,
-                    Some(&fs_out),
-                )?,
+        let untracked = self
+            .hosts
+            .get(&id)
+            .is_some_and(|h| !h.untracked_tiers.is_empty());
+        if untracked && self.warned.insert(id.clone()) {
+            tracing::warn!(
+                host_endpoint = %id.0,
+                "untracked policy on an all-interfaces host endpoint is not supported \
+                 (as in Felix): ignored"
             );
         }
-        chains.insert(self.p("from-host-endpoint"), from_host);
-        chains.insert(self.p("to-host-endpoint"), to_host);
-        let (mut from_rules, mut to_rules) = (Vec::new(), Vec::new());
-        for ep in self.endpoints.values() {
-            let iface = ep.name.as_str();
-            let fw = self.endpoint_chain(Direction::Outbound, iface);
-            let tw = self.endpoint_chain(Direction::Inbound, iface);
-            from_rules.push(rule(&["-i", iface, "-g", &fw])?);
-            to_rules.push(rule(&["-o", iface, "-g", &tw])?);
-            chains.insert(fw, self.endpoint_rules(ep, Direction::Outbound)?);
-            chains.insert(tw, self.endpoint_rules(ep, Direction::Inbound)?);
-        }
-        // Unknown workload interfaces: fail closed.
-        from_rules.push(rule(&["-j", "DROP"])?);
-        to_rules.push(rule(&["-j", "DROP"])?);
-        chains.insert(from, from_rules);
-        chains.insert(to, to_rules);
-        for (id, pol) in &self.policies {
-            chains.insert(
-                self.chains.policy(Direction::Inbound, id),
-                r.rules(&pol.inbound_rules).map_err(bad)?,
-            );
-            chains.insert(
-                self.chains.policy(Direction::Outbound, id),
-                r.rules(&pol.outbound_rules).map_err(bad)?,
-            );
-        }
-        for (id, prof) in &self.profiles {
-            chains.insert(
-                self.chains.profile(Direction::Inbound, id),
-                r.rules(&prof.inbound_rules).map_err(bad)?,
-            );
-            chains.insert(
-                self.chains.profile(Direction::Outbound, id),
-                r.rules(&prof.outbound_rules).map_err(bad)?,
-            );
-        }
-        Ok(chains)
+    }
+
+    fn on_link_change(&mut self, name: &str) {
+        self.dirty.routes |= self.endpoints.values().any(|e| e.name.as_str() == name);
+        self.dirty.statics |= !self.hosts.is_empty();
     }
 }
 
@@ -409,59 +431,124 @@ impl Manager for EndpointsManager {
         "endpoints"
     }
 
+    #[allow(
+        clippy::collapsible_match,
+        reason = "the inner ifs change state; as match guards they would hide that"
+    )]
     fn on_update(&mut self, update: &Update) {
         match update {
-            Update::Policy(id, p) if !p.untracked && !p.pre_dnat => {
-                self.policies.insert(id.clone(), p.clone());
-            }
-            Update::Profile(id, p) => {
-                self.profiles.insert(id.clone(), p.clone());
-            }
-            Update::WorkloadEndpoint(id, ep) => {
-                self.endpoints.insert(id.clone(), ep.clone());
+            Update::Policy(id, p) => {
+                let old = self.policies.insert(id.clone(), p.clone());
+                let moved = old
+                    .as_ref()
+                    .is_none_or(|o| chains::policy_table(o) != chains::policy_table(p));
+                if old.as_ref() != Some(p) {
+                    self.dirty.policies.insert(id.clone());
+                }
+                if moved {
+                    self.policy_presence_changed(id);
+                }
             }
             Update::Remove(Key::Policy(id)) => {
-                self.policies.remove(id);
+                if self.policies.remove(id).is_some() {
+                    self.dirty.policies.insert(id.clone());
+                    self.policy_presence_changed(id);
+                }
+            }
+            Update::Profile(id, p) => {
+                let old = self.profiles.insert(id.clone(), p.clone());
+                if old.as_ref() != Some(p) {
+                    self.dirty.profiles.insert(id.clone());
+                }
+                if old.is_none() {
+                    self.profile_presence_changed(id);
+                }
             }
             Update::Remove(Key::Profile(id)) => {
-                self.profiles.remove(id);
+                if self.profiles.remove(id).is_some() {
+                    self.dirty.profiles.insert(id.clone());
+                    self.profile_presence_changed(id);
+                }
+            }
+            Update::WorkloadEndpoint(id, ep) => {
+                let old = self.endpoints.insert(id.clone(), ep.clone());
+                if let Some(o) = &old {
+                    if o == ep {
+                        return;
+                    }
+                    self.index(id, o, false);
+                }
+                self.index(id, ep, true);
+                self.dirty.workloads.insert(id.clone());
+                self.dirty.routes = true;
+                // A new or renamed interface changes the dispatch chains.
+                self.dirty.statics |= old.is_none_or(|o| o.name != ep.name);
             }
             Update::Remove(Key::WorkloadEndpoint(id)) => {
-                self.endpoints.remove(id);
+                if let Some(o) = self.endpoints.remove(id) {
+                    self.index(id, &o, false);
+                    self.dirty.workloads.insert(id.clone());
+                    self.dirty.routes = true;
+                    self.dirty.statics = true;
+                }
             }
             Update::HostEndpoint(id, hep) => {
-                self.hosts.insert(id.clone(), hep.clone());
+                if self.hosts.insert(id.clone(), hep.clone()).as_ref() != Some(hep) {
+                    self.dirty.statics = true;
+                }
             }
             Update::Remove(Key::HostEndpoint(id)) => {
-                self.hosts.remove(id);
+                if self.hosts.remove(id).is_some() {
+                    self.dirty.statics = true;
+                }
             }
             Update::IpSetUpdate(s) => {
-                if !self.sets_known.insert(s.id.clone()) {
-                    return; // existed already: rules are unchanged
+                if self.sets_known.insert(s.id.clone()) {
+                    self.dirty.sets.insert(s.id.clone());
                 }
             }
             Update::Remove(Key::IpSet(id)) => {
-                if !self.sets_known.remove(id) {
-                    return;
+                if self.sets_known.remove(id) {
+                    self.dirty.sets.insert(id.clone());
                 }
             }
-            _ => return,
+            _ => {}
         }
-        self.dirty = true;
     }
 
     fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
         use crate::interfaces::InterfaceEvent as E;
         match event {
-            // A workload's interface appeared: its routes can go in.
-            E::Link { name, up, .. } if self.links.insert(name.clone(), *up).is_none() => {
-                self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
+            E::Link { index, name, up } => {
+                if let Some(old) = self.ifaces.insert(*index, name.clone())
+                    && old != *name
+                {
+                    self.links.remove(&old);
+                    self.on_link_change(&old);
+                }
+                // A link appeared (its routes can go in, a host endpoint may
+                // now police it); up/down alone only changes the status.
+                if self.links.insert(name.clone(), *up).is_none() {
+                    self.on_link_change(name);
+                }
             }
-            E::LinkRemoved { name, .. } => {
+            E::LinkRemoved { index, name } => {
+                self.ifaces.remove(index);
+                self.addrs.remove(index);
                 self.links.remove(name);
-                self.dirty |= self.endpoints.values().any(|e| e.name.as_str() == name);
+                self.on_link_change(name);
             }
-            _ => {}
+            E::AddrAdded { index, addr } => {
+                self.addrs.entry(*index).or_default().insert(addr.addr());
+                self.dirty.statics |= !self.hosts.is_empty();
+            }
+            E::AddrRemoved { index, addr } => {
+                if let Some(a) = self.addrs.get_mut(index) {
+                    a.remove(&addr.addr());
+                }
+                self.dirty.statics |= !self.hosts.is_empty();
+            }
+            E::InSync => {}
         }
     }
 
@@ -493,13 +580,14 @@ impl Manager for EndpointsManager {
             self.reported.remove(&id);
             out.push(StatusEvent::WorkloadEndpointStatusRemove { id });
         }
-        // Host endpoints: up when their interface exists and is up ("all
-        // interfaces" ones: up).
-        for (id, hep) in &self.hosts {
-            let up = hep
-                .name
-                .as_ref()
-                .is_none_or(|n| self.links.get(n.as_str()).copied().unwrap_or(false));
+        // Host endpoints, as Felix: up when it polices at least one
+        // interface and all of them are up (the all-interfaces one: up);
+        // down otherwise.
+        for id in self.hosts.keys() {
+            let all = self.resolved.all.as_ref() == Some(id);
+            let mut ifaces = self.resolved.interfaces_of(id).peekable();
+            let resolved = all || ifaces.peek().is_some();
+            let up = resolved && ifaces.all(|n| self.links.get(n).copied().unwrap_or(false));
             let status = if up { "up" } else { "down" };
             if self.reported_hosts.get(id) != Some(&status) {
                 self.reported_hosts.insert(id.clone(), status);
@@ -509,7 +597,7 @@ impl Manager for EndpointsManager {
                 });
             }
         }
-        let gone: Vec<crate::model::HostEndpointId> = self
+        let gone: Vec<HostEndpointId> = self
             .reported_hosts
             .keys()
             .filter(|id| !self.hosts.contains_key(*id))
@@ -523,44 +611,63 @@ impl Manager for EndpointsManager {
     }
 
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
-        if !self.dirty {
+        if !self.dirty.any() {
             return Ok(());
         }
-        for (i, t) in kernel.tables.iter_mut().enumerate() {
-            if t.table() != "filter" {
-                continue;
-            }
-            let chains = self.desired(t.version())?;
-            let names: BTreeSet<String> = chains.keys().cloned().collect();
-            for old in self.last.get(&i).into_iter().flatten() {
-                if !names.contains(old) {
-                    t.remove_chain(old);
+        let d = std::mem::take(&mut self.dirty);
+        let mut owners: Vec<Owner> = Vec::new();
+        if d.all {
+            owners.extend(self.policies.keys().cloned().map(Owner::Policy));
+            owners.extend(self.profiles.keys().cloned().map(Owner::Profile));
+            owners.extend(self.endpoints.keys().cloned().map(Owner::Workload));
+        } else {
+            let mut policies = d.policies;
+            let mut profiles = d.profiles;
+            if !d.sets.is_empty() {
+                for (id, p) in &self.policies {
+                    if names_any([&p.inbound_rules, &p.outbound_rules], &d.sets) {
+                        policies.insert(id.clone());
+                    }
+                }
+                for (id, p) in &self.profiles {
+                    if names_any([&p.inbound_rules, &p.outbound_rules], &d.sets) {
+                        profiles.insert(id.clone());
+                    }
                 }
             }
-            for (name, rules) in chains {
-                t.set_chain(&name, rules).map_err(bad)?;
+            owners.extend(policies.into_iter().map(Owner::Policy));
+            owners.extend(profiles.into_iter().map(Owner::Profile));
+            owners.extend(d.workloads.into_iter().map(Owner::Workload));
+        }
+        if d.all || d.statics {
+            self.resolved = self.resolve_hosts();
+            self.warn_unsupported();
+            owners.push(Owner::Static);
+        }
+        let result = self
+            .apply_owners(owners, kernel)
+            .and_then(|()| self.set_hooks(kernel));
+        if let Err(e) = result {
+            // Inconsistent input: try everything again next time.
+            self.dirty.all = true;
+            return Err(e);
+        }
+        if d.all || d.routes {
+            if let Some(r) = &mut kernel.routes {
+                let (routes, neighbours) = self.routes();
+                r.set(routes, neighbours);
             }
-            for hook in FILTER_HOOKS {
-                let jump = rule(&["-j", &self.p(hook)])?;
-                t.set_hooks(hook, vec![jump]).map_err(bad)?;
+            if let Some(sc) = &mut kernel.sysctls {
+                let ipv6 = kernel.tables.iter().any(|t| t.version() == IpVersion::V6);
+                let knobs = self
+                    .endpoints
+                    .values()
+                    .filter(|ep| self.links.contains_key(ep.name.as_str()))
+                    .flat_map(|ep| crate::backends::sysctl::workload_knobs(ep.name.as_str(), ipv6))
+                    .collect();
+                sc.set(knobs);
             }
-            self.last.insert(i, names);
         }
-        if let Some(r) = &mut kernel.routes {
-            let (routes, neighbours) = self.routes();
-            r.set(routes, neighbours);
-        }
-        if let Some(sc) = &mut kernel.sysctls {
-            let ipv6 = kernel.tables.iter().any(|t| t.version() == IpVersion::V6);
-            let knobs = self
-                .endpoints
-                .values()
-                .filter(|ep| self.links.contains_key(ep.name.as_str()))
-                .flat_map(|ep| crate::backends::sysctl::workload_knobs(ep.name.as_str(), ipv6))
-                .collect();
-            sc.set(knobs);
-        }
-        self.dirty = false;
         Ok(())
     }
 }

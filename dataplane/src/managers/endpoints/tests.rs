@@ -1,7 +1,7 @@
 //! Golden chains for representative endpoints.
 
 use super::*;
-use crate::model::{Action, IfaceName, TierInfo};
+use crate::model::{Action, IfaceName, TierDefault, TierInfo};
 
 fn mgr() -> EndpointsManager {
     EndpointsManager::new(
@@ -50,8 +50,62 @@ fn wep(iface: &str, tiers: Vec<TierInfo>, profiles: &[&str], state: EndpointStat
     )
 }
 
-fn text(rules: &[Rule]) -> Vec<&str> {
-    rules.iter().map(Rule::text).collect()
+/// A table seam that reads an empty table and accepts every write.
+#[derive(Debug)]
+struct NoKernel;
+
+impl crate::backends::iptables::IptablesExec for NoKernel {
+    fn save(&mut self, _: &str) -> Result<String, crate::backends::BackendError> {
+        Ok(String::new())
+    }
+    fn restore(&mut self, _: &str) -> Result<(), crate::backends::BackendError> {
+        Ok(())
+    }
+}
+
+/// filter, raw and mangle of version `v`.
+fn kernel(v: IpVersion) -> DesiredKernel {
+    use crate::backends::iptables::{InsertMode, Ownership, Table};
+    DesiredKernel {
+        tables: ["filter", "raw", "mangle"]
+            .into_iter()
+            .map(|t| {
+                Table::new(
+                    t,
+                    v,
+                    Ownership::new("dph"),
+                    InsertMode::Insert,
+                    Box::new(NoKernel),
+                )
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Applies the manager's work and returns the programmed chains of
+/// `table` (those the hooks reach), as text.
+fn run(m: &mut EndpointsManager, k: &mut DesiredKernel, table: &str) -> Chains {
+    m.complete_deferred_work(k).unwrap();
+    let t = k.tables.iter().find(|t| t.table() == table).unwrap();
+    t.programmed()
+        .into_iter()
+        .map(|name| {
+            let rules = t
+                .chain(&name)
+                .unwrap()
+                .iter()
+                .map(|r| r.text().to_string())
+                .collect();
+            (name, rules)
+        })
+        .collect()
+}
+
+type Chains = BTreeMap<String, Vec<String>>;
+
+fn table<'a>(k: &'a DesiredKernel, name: &str) -> &'a crate::backends::iptables::Table {
+    k.tables.iter().find(|t| t.table() == name).unwrap()
 }
 
 #[test]
@@ -93,9 +147,10 @@ fn workload_chains_tiers_profiles_and_dispatch() {
         EndpointState::Active,
     ));
     m.on_update(&wep("cali2", vec![], &[], EndpointState::Down));
-    let c = m.desired(IpVersion::V4).unwrap();
+    let mut k = kernel(IpVersion::V4);
+    let c = run(&mut m, &mut k, "filter");
     assert_eq!(
-        text(&c["dph-tw-cali1"]),
+        c["dph-tw-cali1"],
         [
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
             "-m conntrack --ctstate INVALID -j DROP",
@@ -111,7 +166,7 @@ fn workload_chains_tiers_profiles_and_dispatch() {
         "an unknown policy is left out; the tier's default drop still applies"
     );
     assert_eq!(
-        text(&c["dph-fw-cali1"]),
+        c["dph-fw-cali1"],
         [
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
             "-m conntrack --ctstate INVALID -j DROP",
@@ -122,9 +177,9 @@ fn workload_chains_tiers_profiles_and_dispatch() {
         ],
         "no egress policies in the tier: straight to the profiles"
     );
-    assert_eq!(text(&c["dph-tw-cali2"]), ["-j DROP"], "admin down");
+    assert_eq!(c["dph-tw-cali2"], ["-j DROP"], "admin down");
     assert_eq!(
-        text(&c["dph-from-wl-dispatch"]),
+        c["dph-from-wl-dispatch"],
         [
             "-i cali1 -g dph-fw-cali1",
             "-i cali2 -g dph-fw-cali2",
@@ -132,7 +187,7 @@ fn workload_chains_tiers_profiles_and_dispatch() {
         ]
     );
     assert_eq!(
-        text(&c["dph-to-wl-dispatch"]),
+        c["dph-to-wl-dispatch"],
         [
             "-o cali1 -g dph-tw-cali1",
             "-o cali2 -g dph-tw-cali2",
@@ -140,42 +195,41 @@ fn workload_chains_tiers_profiles_and_dispatch() {
         ]
     );
     assert_eq!(
-        text(&c["dph-pi-default.allow-web"]),
+        c["dph-pi-default.allow-web"],
         [
             "-p tcp -m multiport --destination-ports 80 -j MARK --set-xmark 0x10000/0x10000",
             "-m mark --mark 0x10000/0x10000 -j RETURN",
         ]
     );
     assert_eq!(
-        text(&c["dph-FORWARD"]),
+        c["dph-FORWARD"],
         [
+            "-j MARK --set-xmark 0/0x1b0000",
+            "-m mark --mark 0/0x10000 -j dph-from-hep-forward",
             "-i cali+ -j dph-from-wl-dispatch",
             "-o cali+ -j dph-to-wl-dispatch",
-            "-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
-            "-o cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
-        ]
-    );
-    assert_eq!(
-        text(&c["dph-INPUT"]),
-        [
-            "-i cali+ -j dph-from-wl-dispatch",
-            "-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
-            "-i cali+ -j DROP",
-            "-j dph-from-host-endpoint",
+            "-j dph-to-hep-forward",
             "-m mark --mark 0x10000/0x10000 -j ACCEPT",
         ]
     );
     assert_eq!(
-        text(&c["dph-failsafe-in"]),
+        c["dph-INPUT"],
         [
-            "-p tcp -m multiport --dports 22,179,2379,2380,5473,6443,6666,6667 -j ACCEPT",
-            "-p udp -m multiport --dports 68 -j ACCEPT",
+            "-i cali+ -j dph-from-wl-dispatch",
+            "-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
+            "-i cali+ -j DROP",
+            "-j MARK --set-xmark 0/0x1b0000",
+            "-j dph-from-host-endpoint",
+            "-m mark --mark 0x10000/0x10000 -j ACCEPT",
         ]
     );
     assert!(
         c["dph-from-host-endpoint"].is_empty(),
         "no host endpoints: nothing policed"
     );
+    assert!(!c.contains_key("dph-failsafe-in"), "unreferenced");
+    let raw = run(&mut m, &mut k, "raw");
+    assert!(raw.is_empty(), "raw untouched without host endpoint policy");
 }
 
 #[test]
@@ -193,17 +247,338 @@ fn pass_tiers_and_removed_objects() {
         &[],
         EndpointState::Active,
     ));
-    let c = m.desired(IpVersion::V6).unwrap();
+    let mut k = kernel(IpVersion::V6);
+    let c = run(&mut m, &mut k, "filter");
     assert!(
-        !text(&c["dph-tw-cali1"]).contains(&"-m mark --mark 0/0x20000 -j DROP"),
+        !c["dph-tw-cali1"]
+            .iter()
+            .any(|r| r == "-m mark --mark 0/0x20000 -j DROP"),
         "a pass tier has no default drop"
     );
     m.on_update(&Update::Remove(Key::Policy(pid("t1.p"))));
-    let c = m.desired(IpVersion::V6).unwrap();
+    let c = run(&mut m, &mut k, "filter");
     assert!(!c.contains_key("dph-pi-t1.p"));
-    assert!(
-        !text(&c["dph-tw-cali1"])
-            .iter()
-            .any(|r| r.contains("dph-pi-t1.p"))
+    assert!(!c["dph-tw-cali1"].iter().any(|r| r.contains("dph-pi-t1.p")));
+}
+
+fn tier(name: &str, ingress: &[&str], egress: &[&str]) -> TierInfo {
+    TierInfo {
+        name: id(name),
+        ingress_policies: ingress.iter().map(|p| pid(p)).collect(),
+        egress_policies: egress.iter().map(|p| pid(p)).collect(),
+        default_action: TierDefault::Deny,
+    }
+}
+
+fn tcp_port(port: u16) -> crate::model::Rule {
+    crate::model::Rule {
+        protocol: Some(crate::model::Protocol::TCP),
+        dst_ports: vec![crate::model::PortRange {
+            first: port,
+            last: port,
+        }],
+        ..Default::default()
+    }
+}
+
+fn link(m: &mut EndpointsManager, index: u32, name: &str, addr: &str) {
+    use crate::interfaces::InterfaceEvent as E;
+    m.on_interface(&E::Link {
+        index,
+        name: name.into(),
+        up: true,
+    });
+    m.on_interface(&E::AddrAdded {
+        index,
+        addr: addr.parse().unwrap(),
+    });
+}
+
+fn hep(iface: crate::model::HostInterface, expect: &[&str]) -> HostEndpoint {
+    HostEndpoint {
+        interface: iface,
+        profile_ids: vec![],
+        tiers: vec![],
+        untracked_tiers: vec![],
+        pre_dnat_tiers: vec![],
+        forward_tiers: vec![],
+        expected_ipv4_addrs: expect.iter().map(|a| a.parse().unwrap()).collect(),
+        expected_ipv6_addrs: vec![],
+    }
+}
+
+#[test]
+fn host_endpoints_in_filter_raw_and_mangle() {
+    use crate::model::HostInterface;
+    let mut m = mgr();
+    link(&mut m, 1, "lo", "127.0.0.1/8");
+    link(&mut m, 2, "eth0", "10.0.0.1/24");
+    link(&mut m, 3, "eth1", "10.1.0.1/24");
+    link(&mut m, 4, "cali1", "169.254.1.1/32");
+    let pol = |untracked, pre_dnat| Policy {
+        inbound_rules: vec![tcp_port(80)],
+        outbound_rules: vec![tcp_port(443)],
+        untracked,
+        pre_dnat,
+        ..Default::default()
+    };
+    m.on_update(&Update::Policy(pid("t.normal"), pol(false, false)));
+    m.on_update(&Update::Policy(pid("t.untracked"), pol(true, false)));
+    m.on_update(&Update::Policy(pid("t.prednat"), pol(false, true)));
+    let mut named = hep(HostInterface::Named(IfaceName::new("eth0").unwrap()), &[]);
+    named.tiers = vec![tier("t", &["t.normal"], &[])];
+    named.untracked_tiers = vec![tier("t", &["t.untracked"], &["t.untracked"])];
+    named.pre_dnat_tiers = vec![tier("t", &["t.prednat"], &[])];
+    named.forward_tiers = vec![tier("t", &[], &["t.normal"])];
+    let hid = |s: &str| HostEndpointId(id(s));
+    m.on_update(&Update::HostEndpoint(hid("a-named"), named));
+    // Matched by address: eth1 holds 10.1.0.1.
+    m.on_update(&Update::HostEndpoint(
+        hid("b-addr"),
+        hep(HostInterface::ByAddress, &["10.1.0.1"]),
+    ));
+    let mut all = hep(HostInterface::All, &[]);
+    all.untracked_tiers = vec![tier("t", &["t.untracked"], &[])];
+    m.on_update(&Update::HostEndpoint(hid("c-all"), all));
+    let mut k = kernel(IpVersion::V4);
+    let f = run(&mut m, &mut k, "filter");
+    assert_eq!(
+        f["dph-from-host-endpoint"],
+        [
+            "-i cali+ -j RETURN",
+            "-i lo -j RETURN",
+            "-i eth0 -g dph-fh-eth0",
+            "-i eth1 -g dph-fh-eth1",
+            "-g dph-fhany",
+        ],
+        "named and by-address endpoints first, then the all-interfaces one"
     );
+    assert_eq!(
+        f["dph-fh-eth0"],
+        [
+            "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            "-m conntrack --ctstate INVALID -j DROP",
+            "-j dph-failsafe-in",
+            "-j MARK --set-xmark 0/0x30000",
+            "-j MARK --set-xmark 0/0x20000",
+            "-m mark --mark 0/0x20000 -j dph-pi-t.normal",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+            "-m mark --mark 0/0x20000 -j DROP",
+            "-j DROP",
+        ]
+    );
+    assert_eq!(
+        f["dph-fhfw-eth0"],
+        [
+            "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            "-m conntrack --ctstate INVALID -j DROP",
+            "-j MARK --set-xmark 0/0x30000",
+            "-j MARK --set-xmark 0x10000/0x10000",
+            "-j RETURN",
+        ],
+        "no forward policy inbound: forwarded traffic allowed"
+    );
+    assert_eq!(
+        f["dph-thfw-eth0"][2..],
+        [
+            "-j MARK --set-xmark 0/0x30000",
+            "-j MARK --set-xmark 0/0x20000",
+            "-m mark --mark 0/0x20000 -j dph-po-t.normal",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+            "-m mark --mark 0/0x20000 -j DROP",
+        ],
+        "forward tiers outbound, no profiles, no final drop"
+    );
+    assert_eq!(
+        f["dph-fh-eth1"][2..4],
+        ["-j dph-failsafe-in", "-j MARK --set-xmark 0/0x30000"]
+    );
+    assert!(f.contains_key("dph-fhany") && f.contains_key("dph-thfwany"));
+    assert_eq!(
+        f["dph-INPUT"][3], "-m mark --mark 0x10000/0x10000 -j ACCEPT",
+        "what raw or mangle accepted is accepted"
+    );
+    assert!(
+        !f.contains_key("dph-pi-t.untracked"),
+        "untracked policy lives in raw"
+    );
+
+    let raw = run(&mut m, &mut k, "raw");
+    assert_eq!(
+        table(&k, "raw").hooks("PREROUTING")[0].text(),
+        "-j dph-PREROUTING"
+    );
+    assert_eq!(
+        raw["dph-PREROUTING"],
+        [
+            "-j MARK --set-xmark 0/0x1b0000",
+            "-i cali+ -j RETURN",
+            "-j dph-from-host-endpoint",
+            "-m mark --mark 0x10000/0x10000 -j ACCEPT",
+        ]
+    );
+    assert_eq!(
+        raw["dph-from-host-endpoint"],
+        ["-i eth0 -g dph-fh-eth0"],
+        "untracked policy on the all-interfaces endpoint is ignored, as in Felix"
+    );
+    assert_eq!(
+        raw["dph-th-eth0"],
+        [
+            "-j dph-failsafe-out",
+            "-j MARK --set-xmark 0/0x30000",
+            "-j MARK --set-xmark 0/0x20000",
+            "-m mark --mark 0/0x20000 -j dph-po-t.untracked",
+            "-m mark --mark 0x10000/0x10000 -j NOTRACK",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+        ],
+        "no conntrack, no drops"
+    );
+    assert_eq!(
+        raw["dph-failsafe-in"],
+        [
+            "-p tcp -m multiport --dports 22,179,2379,2380,5473,6443,6666,6667 -j ACCEPT",
+            "-p udp -m multiport --dports 68 -j ACCEPT",
+            "-p tcp -m multiport --sports 179,2379,2380,5473,6443,6666,6667 -j ACCEPT",
+            "-p udp -m multiport --sports 53,67 -j ACCEPT",
+        ],
+        "raw lets the replies of outbound failsafe ports in"
+    );
+    assert_eq!(raw["dph-pi-t.untracked"].len(), 2);
+
+    let mangle = run(&mut m, &mut k, "mangle");
+    assert_eq!(mangle["dph-from-host-endpoint"], ["-i eth0 -g dph-fh-eth0"]);
+    assert_eq!(
+        mangle["dph-fh-eth0"][3..],
+        [
+            "-j MARK --set-xmark 0/0x30000",
+            "-j MARK --set-xmark 0/0x20000",
+            "-m mark --mark 0/0x20000 -j dph-pi-t.prednat",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+        ]
+    );
+    assert!(
+        !mangle.contains_key("dph-po-t.prednat"),
+        "pre-DNAT policy is ingress only"
+    );
+
+    // Without untracked and pre-DNAT policy, raw and mangle are let go.
+    let mut named = hep(HostInterface::Named(IfaceName::new("eth0").unwrap()), &[]);
+    named.tiers = vec![tier("t", &["t.normal"], &[])];
+    m.on_update(&Update::HostEndpoint(hid("a-named"), named));
+    m.on_update(&Update::Remove(Key::HostEndpoint(hid("c-all"))));
+    assert!(run(&mut m, &mut k, "raw").is_empty());
+    assert!(table(&k, "raw").hooks("PREROUTING").is_empty());
+    assert!(table(&k, "mangle").hooks("PREROUTING").is_empty());
+    let f = run(&mut m, &mut k, "filter");
+    assert_eq!(
+        f["dph-from-host-endpoint"],
+        ["-i eth0 -g dph-fh-eth0", "-i eth1 -g dph-fh-eth1"]
+    );
+    assert_eq!(
+        f["dph-INPUT"][3], "-j MARK --set-xmark 0/0x1b0000",
+        "no raw/mangle policy: the accept mark is not trusted"
+    );
+
+    // The address moves: the by-address endpoint follows it.
+    use crate::interfaces::InterfaceEvent as E;
+    m.on_interface(&E::AddrRemoved {
+        index: 3,
+        addr: "10.1.0.1/24".parse().unwrap(),
+    });
+    link(&mut m, 5, "eth2", "10.1.0.1/24");
+    let f = run(&mut m, &mut k, "filter");
+    assert_eq!(
+        f["dph-from-host-endpoint"],
+        ["-i eth0 -g dph-fh-eth0", "-i eth2 -g dph-fh-eth2"]
+    );
+    assert!(!f.contains_key("dph-fh-eth1"));
+}
+
+#[test]
+fn incremental_changes_reach_the_chains_they_affect() {
+    let mut m = mgr();
+    let mut k = kernel(IpVersion::V4);
+    m.on_update(&wep(
+        "cali1",
+        vec![tier("t", &["t.late"], &[])],
+        &["prof"],
+        EndpointState::Active,
+    ));
+    m.on_update(&wep("cali2", vec![], &[], EndpointState::Active));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(
+        !c["dph-tw-cali1"]
+            .iter()
+            .any(|r| r.contains("dph-pi-t.late"))
+    );
+    assert!(!c["dph-tw-cali1"].iter().any(|r| r.contains("dph-pri-prof")));
+
+    // A policy and a profile arriving after the endpoint that names them.
+    let set_rule = crate::model::Rule {
+        src_ip_set_ids: vec![id("s:web")],
+        ..Default::default()
+    };
+    m.on_update(&Update::Policy(
+        pid("t.late"),
+        Policy {
+            inbound_rules: vec![set_rule],
+            ..Default::default()
+        },
+    ));
+    m.on_update(&Update::Profile(id("prof"), Profile::default()));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(
+        c["dph-tw-cali1"]
+            .iter()
+            .any(|r| r.ends_with("-j dph-pi-t.late"))
+    );
+    assert!(c["dph-tw-cali1"].iter().any(|r| r == "-j dph-pri-prof"));
+    assert!(c["dph-pi-t.late"].is_empty(), "the set does not exist yet");
+
+    // The set appears: the policy naming it is re-rendered.
+    m.on_update(&Update::IpSetUpdate(crate::model::IpSet {
+        id: id("s:web"),
+        set_type: crate::model::IpSetType::Ip,
+        members: vec![],
+    }));
+    let c = run(&mut m, &mut k, "filter");
+    assert_eq!(c["dph-pi-t.late"].len(), 2, "{:?}", c["dph-pi-t.late"]);
+
+    // An interface renamed: old chains go, dispatch follows.
+    let mut renamed = wep("cali3", vec![], &[], EndpointState::Active);
+    if let Update::WorkloadEndpoint(_, ep) = &mut renamed {
+        // same id as cali2's
+        let Update::WorkloadEndpoint(id2, _) = wep("cali2", vec![], &[], EndpointState::Active)
+        else {
+            unreachable!()
+        };
+        renamed = Update::WorkloadEndpoint(id2, ep.clone());
+    }
+    m.on_update(&renamed);
+    let c = run(&mut m, &mut k, "filter");
+    assert!(!c.contains_key("dph-tw-cali2") && c.contains_key("dph-tw-cali3"));
+    let filter = &k.tables[0];
+    assert!(
+        filter.chain("dph-tw-cali2").is_none(),
+        "removed, not only unreferenced"
+    );
+    assert_eq!(
+        c["dph-to-wl-dispatch"],
+        [
+            "-o cali1 -g dph-tw-cali1",
+            "-o cali3 -g dph-tw-cali3",
+            "-j DROP"
+        ]
+    );
+
+    // The policy removed: the endpoint chain loses its jump.
+    m.on_update(&Update::Remove(Key::Policy(pid("t.late"))));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(
+        !c["dph-tw-cali1"]
+            .iter()
+            .any(|r| r.contains("dph-pi-t.late"))
+    );
+    assert!(k.tables[0].chain("dph-pi-t.late").is_none());
 }

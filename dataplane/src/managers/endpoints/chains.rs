@@ -1,0 +1,575 @@
+//! Rendering the endpoint chains: pure functions of the manager's state.
+
+use std::collections::BTreeMap;
+
+use super::hosts::Resolved;
+use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
+use crate::backends::iptables::Rule;
+use crate::managers::ManagerError;
+use crate::model::{EndpointState, Id, IpVersion, TierDefault, TierInfo, WorkloadEndpoint};
+use crate::rules::{Direction, Renderer};
+
+/// The tables endpoint policy lives in.
+pub const FILTER: &str = "filter";
+pub const RAW: &str = "raw";
+pub const MANGLE: &str = "mangle";
+
+/// Chains of one table: name → rules.
+pub(super) type Chains = BTreeMap<String, Vec<Rule>>;
+
+/// What an endpoint chain is for (Felix's chain types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// filter INPUT/OUTPUT and workloads: conntrack, tiers with their
+    /// default drop, profiles, a final drop.
+    Normal,
+    /// filter FORWARD through a host endpoint: conntrack, tiers with their
+    /// default drop; allowed when no policy applies in this direction.
+    Forward,
+    /// raw: tiers of untracked policies; what they allow is not tracked;
+    /// no drop at the end (normal policy still follows).
+    Untracked,
+    /// mangle PREROUTING: tiers of pre-DNAT policies, no drop at the end.
+    PreDnat,
+}
+
+impl Kind {
+    fn table(self) -> &'static str {
+        match self {
+            Self::Normal | Self::Forward => FILTER,
+            Self::Untracked => RAW,
+            Self::PreDnat => MANGLE,
+        }
+    }
+}
+
+/// The table a policy's chains live in.
+pub(super) fn policy_table(p: &crate::model::Policy) -> &'static str {
+    if p.untracked {
+        RAW
+    } else if p.pre_dnat {
+        MANGLE
+    } else {
+        FILTER
+    }
+}
+
+/// `-p P -m multiport --<flag> a,b,… -j ACCEPT` per protocol (15 per rule).
+fn port_accepts(ports: &[(String, u16)], flag: &str) -> Result<Vec<Rule>, ManagerError> {
+    let mut by_proto: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for (p, port) in ports {
+        by_proto
+            .entry(p.as_str())
+            .or_default()
+            .push(port.to_string());
+    }
+    let mut out = Vec::new();
+    for (p, list) in by_proto {
+        for chunk in list.chunks(15) {
+            let joined = chunk.join(",");
+            out.push(rule(&[
+                "-p",
+                p,
+                "-m",
+                "multiport",
+                flag,
+                &joined,
+                "-j",
+                "ACCEPT",
+            ])?);
+        }
+    }
+    Ok(out)
+}
+
+impl EndpointsManager {
+    pub(super) fn p(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.cfg.prefix)
+    }
+
+    /// `<prefix>-tw-<iface>` / `<prefix>-fw-<iface>`.
+    pub fn endpoint_chain(&self, dir: Direction, iface: &str) -> String {
+        let d = match dir {
+            Direction::Inbound => "tw",
+            Direction::Outbound => "fw",
+        };
+        format!("{}-{d}-{iface}", self.cfg.prefix)
+    }
+
+    /// A host endpoint chain: `<prefix>-<kind>-<iface>`, or
+    /// `<prefix>-<kind>any` for the all-interfaces endpoint (no interface
+    /// name can make that one: the `-` is missing).
+    fn host_chain(&self, kind: &str, iface: Option<&str>) -> String {
+        match iface {
+            Some(i) => format!("{}-{kind}-{i}", self.cfg.prefix),
+            None => format!("{}-{kind}any", self.cfg.prefix),
+        }
+    }
+
+    pub(super) fn renderer(&self, v: IpVersion) -> Renderer<'_> {
+        Renderer {
+            sets: self.sets.clone(),
+            marks: self.cfg.marks,
+            version: v,
+            log_prefix: self.p("policy"),
+            known_sets: Some(&self.sets_known),
+        }
+    }
+
+    fn all_marks(&self) -> u32 {
+        let m = self.cfg.marks;
+        m.accept | m.pass | m.scratch0 | m.scratch1
+    }
+
+    /// The chains of one workload endpoint (filter table).
+    pub(super) fn workload_chains(&self, ep: &WorkloadEndpoint) -> Result<Chains, ManagerError> {
+        let mut out = Chains::new();
+        for dir in [Direction::Inbound, Direction::Outbound] {
+            let rules = if ep.state == EndpointState::Down {
+                vec![rule(&["-j", "DROP"])?]
+            } else {
+                self.policy_body(&ep.tiers, &ep.profile_ids, dir, Kind::Normal, None)?
+            };
+            out.insert(self.endpoint_chain(dir, ep.name.as_str()), rules);
+        }
+        Ok(out)
+    }
+
+    /// A policy's chains, in `table` (none if it lives elsewhere).
+    pub(super) fn policy_chains(
+        &self,
+        id: &crate::model::PolicyId,
+        table: &str,
+        v: IpVersion,
+    ) -> Result<Chains, ManagerError> {
+        let mut out = Chains::new();
+        let Some(pol) = self.policies.get(id) else {
+            return Ok(out);
+        };
+        if policy_table(pol) != table {
+            return Ok(out);
+        }
+        let r = self.renderer(v);
+        out.insert(
+            self.chains.policy(Direction::Inbound, id),
+            r.rules(&pol.inbound_rules).map_err(bad)?,
+        );
+        // Pre-DNAT policy is ingress only.
+        if table != MANGLE {
+            out.insert(
+                self.chains.policy(Direction::Outbound, id),
+                r.rules(&pol.outbound_rules).map_err(bad)?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// A profile's chains (filter table).
+    pub(super) fn profile_chains(&self, id: &Id, v: IpVersion) -> Result<Chains, ManagerError> {
+        let mut out = Chains::new();
+        let Some(prof) = self.profiles.get(id) else {
+            return Ok(out);
+        };
+        let r = self.renderer(v);
+        out.insert(
+            self.chains.profile(Direction::Inbound, id),
+            r.rules(&prof.inbound_rules).map_err(bad)?,
+        );
+        out.insert(
+            self.chains.profile(Direction::Outbound, id),
+            r.rules(&prof.outbound_rules).map_err(bad)?,
+        );
+        Ok(out)
+    }
+
+    /// Whether a jump to policy `id` belongs in a chain of `table`.
+    fn policy_in(&self, id: &crate::model::PolicyId, table: &str) -> bool {
+        self.policies
+            .get(id)
+            .is_some_and(|p| policy_table(p) == table)
+    }
+
+    /// conntrack, failsafe, marks cleared, tiers, then by kind: profiles
+    /// and drop, or an allow when no forward policy applies, or nothing.
+    pub(super) fn policy_body(
+        &self,
+        tiers: &[TierInfo],
+        profile_ids: &[Id],
+        dir: Direction,
+        kind: Kind,
+        failsafe: Option<&str>,
+    ) -> Result<Vec<Rule>, ManagerError> {
+        let m = self.cfg.marks;
+        let mut out = Vec::new();
+        if kind != Kind::Untracked {
+            out.push(rule(&[
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "RELATED,ESTABLISHED",
+                "-j",
+                "ACCEPT",
+            ])?);
+            out.push(rule(&[
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "INVALID",
+                "-j",
+                "DROP",
+            ])?);
+        }
+        if let Some(f) = failsafe {
+            out.push(rule(&["-j", f])?);
+        }
+        out.push(rule(&[
+            "-j",
+            "MARK",
+            "--set-xmark",
+            &clear(m.accept | m.pass),
+        ])?);
+        let table = kind.table();
+        let mut any = false;
+        for tier in tiers {
+            let policies = match dir {
+                Direction::Inbound => &tier.ingress_policies,
+                Direction::Outbound => &tier.egress_policies,
+            };
+            if policies.is_empty() {
+                continue;
+            }
+            any = true;
+            out.push(rule(&["-j", "MARK", "--set-xmark", &clear(m.pass)])?);
+            for pid in policies {
+                if !self.policy_in(pid, table) {
+                    // Not (yet) known: it cannot allow anything.
+                    continue;
+                }
+                out.push(on_mark(&[], &clear(m.pass), &self.chains.policy(dir, pid))?);
+                if kind == Kind::Untracked {
+                    out.push(on_mark(&[], &mark(m.accept), "NOTRACK")?);
+                }
+                out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
+            }
+            let drops = matches!(kind, Kind::Normal | Kind::Forward);
+            if drops && tier.default_action == TierDefault::Deny {
+                out.push(on_mark(&[], &clear(m.pass), "DROP")?);
+            }
+        }
+        match kind {
+            Kind::Normal => {
+                for prof in profile_ids {
+                    if !self.profiles.contains_key(prof) {
+                        continue;
+                    }
+                    out.push(rule(&["-j", &self.chains.profile(dir, prof)])?);
+                    out.push(on_mark(&[], &mark(m.accept), "RETURN")?);
+                }
+                out.push(rule(&["-j", "DROP"])?);
+            }
+            Kind::Forward if !any => {
+                // Forwarded traffic is allowed when no apply-on-forward
+                // policy applies in this direction (as in Felix).
+                out.push(rule(&["-j", "MARK", "--set-xmark", &mark(m.accept)])?);
+                out.push(rule(&["-j", "RETURN"])?);
+            }
+            _ => {}
+        }
+        Ok(out)
+    }
+
+    /// The failsafe chains of `table`: (in, out). In raw, before conntrack,
+    /// each also lets the replies of the other direction's ports through,
+    /// so that no untracked policy can catch half a failsafe connection.
+    fn failsafe_chains(&self, table: &str) -> Result<(Vec<Rule>, Vec<Rule>), ManagerError> {
+        let (fin, fout) = (&self.cfg.failsafe_in, &self.cfg.failsafe_out);
+        let mut inbound = port_accepts(fin, "--dports")?;
+        let mut outbound = port_accepts(fout, "--dports")?;
+        if table == RAW {
+            inbound.extend(port_accepts(fout, "--sports")?);
+            outbound.extend(port_accepts(fin, "--sports")?);
+        }
+        Ok((inbound, outbound))
+    }
+
+    /// Dispatch rules `-i|-o <iface> -g <chain>` for `ifaces`, and the
+    /// all-interfaces default (workload interfaces and `lo` excepted).
+    fn dispatch(
+        &self,
+        flag: &str,
+        kind: &str,
+        ifaces: &[&str],
+        all: bool,
+    ) -> Result<Vec<Rule>, ManagerError> {
+        let mut out = Vec::new();
+        if all {
+            let wl = format!("{}+", self.cfg.workload_prefix);
+            out.push(rule(&[flag, &wl, "-j", "RETURN"])?);
+            out.push(rule(&[flag, "lo", "-j", "RETURN"])?);
+        }
+        for i in ifaces {
+            out.push(rule(&[flag, i, "-g", &self.host_chain(kind, Some(i))])?);
+        }
+        if all {
+            out.push(rule(&["-g", &self.host_chain(kind, None)])?);
+        }
+        Ok(out)
+    }
+
+    /// Whether raw and mangle carry host endpoint chains (some resolved
+    /// host endpoint has untracked or pre-DNAT policy).
+    pub(super) fn host_tables_active(&self, res: &Resolved) -> bool {
+        let named = res.named.values().any(|id| {
+            self.hosts
+                .get(id)
+                .is_some_and(|h| !h.untracked_tiers.is_empty() || !h.pre_dnat_tiers.is_empty())
+        });
+        let all = res
+            .all
+            .as_ref()
+            .and_then(|id| self.hosts.get(id))
+            .is_some_and(|h| !h.pre_dnat_tiers.is_empty());
+        named || all
+    }
+
+    /// Every chain of `table` not owned by a policy, profile or workload:
+    /// the top-level chains, dispatch, failsafe and host endpoint chains.
+    pub(super) fn static_chains(
+        &self,
+        table: &str,
+        res: &Resolved,
+    ) -> Result<Chains, ManagerError> {
+        let active = self.host_tables_active(res);
+        match table {
+            FILTER => self.filter_chains(res, active),
+            RAW if active => self.raw_chains(res),
+            MANGLE if active => self.mangle_chains(res),
+            _ => Ok(Chains::new()),
+        }
+    }
+
+    fn filter_chains(&self, res: &Resolved, active: bool) -> Result<Chains, ManagerError> {
+        let m = self.cfg.marks;
+        let wl = format!("{}+", self.cfg.workload_prefix);
+        let (from, to) = (self.p("from-wl-dispatch"), self.p("to-wl-dispatch"));
+        let (fhe, the) = (self.p("from-host-endpoint"), self.p("to-host-endpoint"));
+        let (fhf, thf) = (self.p("from-hep-forward"), self.p("to-hep-forward"));
+        let all = self.all_marks();
+        // A packet raw or mangle accepted (untracked or pre-DNAT policy)
+        // carries the accept mark; only then is that mark ours to trust.
+        let already = || on_mark(&[], &mark(m.accept), "ACCEPT");
+        let mut chains = Chains::new();
+
+        let mut fwd = vec![rule(&[
+            "-j",
+            "MARK",
+            "--set-xmark",
+            &clear(if active { all & !m.accept } else { all }),
+        ])?];
+        fwd.push(on_mark(&[], &clear(m.accept), &fhf)?);
+        fwd.push(rule(&["-i", &wl, "-j", &from])?);
+        fwd.push(rule(&["-o", &wl, "-j", &to])?);
+        fwd.push(rule(&["-j", &thf])?);
+        fwd.push(on_mark(&[], &mark(m.accept), "ACCEPT")?);
+        chains.insert(self.p("FORWARD"), fwd);
+
+        let mut input = vec![
+            rule(&["-i", &wl, "-j", &from])?,
+            on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
+            rule(&["-i", &wl, "-j", "DROP"])?,
+        ];
+        if active {
+            input.push(already()?);
+        }
+        // Host endpoints (opt-in: interfaces without one are not policed).
+        input.push(rule(&["-j", "MARK", "--set-xmark", &clear(all)])?);
+        input.push(rule(&["-j", &fhe])?);
+        input.push(on_mark(&[], &mark(m.accept), "ACCEPT")?);
+        chains.insert(self.p("INPUT"), input);
+
+        // The host may reach its workloads (kubelet probes), as in Felix;
+        // traffic leaving through a host endpoint is policed.
+        let mut output = Vec::new();
+        if active {
+            output.push(already()?);
+        }
+        output.push(rule(&["-o", &wl, "-j", "RETURN"])?);
+        output.push(rule(&["-j", "MARK", "--set-xmark", &clear(all)])?);
+        output.push(rule(&["-j", &the])?);
+        output.push(on_mark(&[], &mark(m.accept), "ACCEPT")?);
+        chains.insert(self.p("OUTPUT"), output);
+
+        let (fs_in, fs_out) = (self.p("failsafe-in"), self.p("failsafe-out"));
+        let (fin, fout) = self.failsafe_chains(FILTER)?;
+        chains.insert(fs_in.clone(), fin);
+        chains.insert(fs_out.clone(), fout);
+
+        let ifaces: Vec<&str> = res.named.keys().map(String::as_str).collect();
+        let has_all = res.all.is_some();
+        chains.insert(fhe, self.dispatch("-i", "fh", &ifaces, has_all)?);
+        chains.insert(the, self.dispatch("-o", "th", &ifaces, has_all)?);
+        chains.insert(fhf, self.dispatch("-i", "fhfw", &ifaces, has_all)?);
+        chains.insert(thf, self.dispatch("-o", "thfw", &ifaces, has_all)?);
+        let targets = res
+            .named
+            .iter()
+            .map(|(i, id)| (Some(i.as_str()), id))
+            .chain(res.all.iter().map(|id| (None, id)));
+        for (iface, id) in targets {
+            let Some(h) = self.hosts.get(id) else {
+                continue;
+            };
+            let body = |tiers: &[TierInfo], dir, kind, fs: Option<&str>| {
+                self.policy_body(tiers, &h.profile_ids, dir, kind, fs)
+            };
+            chains.insert(
+                self.host_chain("fh", iface),
+                body(&h.tiers, Direction::Inbound, Kind::Normal, Some(&fs_in))?,
+            );
+            chains.insert(
+                self.host_chain("th", iface),
+                body(&h.tiers, Direction::Outbound, Kind::Normal, Some(&fs_out))?,
+            );
+            chains.insert(
+                self.host_chain("fhfw", iface),
+                body(&h.forward_tiers, Direction::Inbound, Kind::Forward, None)?,
+            );
+            chains.insert(
+                self.host_chain("thfw", iface),
+                body(&h.forward_tiers, Direction::Outbound, Kind::Forward, None)?,
+            );
+        }
+
+        let (mut from_rules, mut to_rules) = (Vec::new(), Vec::new());
+        for ep in self.endpoints.values() {
+            let iface = ep.name.as_str();
+            from_rules.push(rule(&[
+                "-i",
+                iface,
+                "-g",
+                &self.endpoint_chain(Direction::Outbound, iface),
+            ])?);
+            to_rules.push(rule(&[
+                "-o",
+                iface,
+                "-g",
+                &self.endpoint_chain(Direction::Inbound, iface),
+            ])?);
+        }
+        // Unknown workload interfaces: fail closed.
+        from_rules.push(rule(&["-j", "DROP"])?);
+        to_rules.push(rule(&["-j", "DROP"])?);
+        chains.insert(from, from_rules);
+        chains.insert(to, to_rules);
+        Ok(chains)
+    }
+
+    /// raw: untracked policy of host endpoints on named interfaces (Felix
+    /// does not support it on the all-interfaces endpoint either).
+    fn raw_chains(&self, res: &Resolved) -> Result<Chains, ManagerError> {
+        let m = self.cfg.marks;
+        let wl = format!("{}+", self.cfg.workload_prefix);
+        let (fhe, the) = (self.p("from-host-endpoint"), self.p("to-host-endpoint"));
+        let (fs_in, fs_out) = (self.p("failsafe-in"), self.p("failsafe-out"));
+        let clear_all = clear(self.all_marks());
+        let mut chains = Chains::new();
+        chains.insert(
+            self.p("PREROUTING"),
+            vec![
+                // Ours from here on, whatever ran before us.
+                rule(&["-j", "MARK", "--set-xmark", &clear_all])?,
+                rule(&["-i", &wl, "-j", "RETURN"])?,
+                rule(&["-j", &fhe])?,
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
+            ],
+        );
+        chains.insert(
+            self.p("OUTPUT"),
+            vec![
+                rule(&["-j", "MARK", "--set-xmark", &clear_all])?,
+                rule(&["-j", &the])?,
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
+            ],
+        );
+        let (fin, fout) = self.failsafe_chains(RAW)?;
+        chains.insert(fs_in.clone(), fin);
+        chains.insert(fs_out.clone(), fout);
+        let untracked: Vec<(&str, &crate::model::HostEndpoint)> = res
+            .named
+            .iter()
+            .filter_map(|(i, id)| Some((i.as_str(), self.hosts.get(id)?)))
+            .filter(|(_, h)| !h.untracked_tiers.is_empty())
+            .collect();
+        let ifaces: Vec<&str> = untracked.iter().map(|(i, _)| *i).collect();
+        chains.insert(fhe, self.dispatch("-i", "fh", &ifaces, false)?);
+        chains.insert(the, self.dispatch("-o", "th", &ifaces, false)?);
+        for (iface, h) in untracked {
+            let t = &h.untracked_tiers;
+            chains.insert(
+                self.host_chain("fh", Some(iface)),
+                self.policy_body(t, &[], Direction::Inbound, Kind::Untracked, Some(&fs_in))?,
+            );
+            chains.insert(
+                self.host_chain("th", Some(iface)),
+                self.policy_body(t, &[], Direction::Outbound, Kind::Untracked, Some(&fs_out))?,
+            );
+        }
+        Ok(chains)
+    }
+
+    /// mangle PREROUTING: pre-DNAT (ingress) policy of host endpoints.
+    fn mangle_chains(&self, res: &Resolved) -> Result<Chains, ManagerError> {
+        let m = self.cfg.marks;
+        let wl = format!("{}+", self.cfg.workload_prefix);
+        let fhe = self.p("from-host-endpoint");
+        let fs_in = self.p("failsafe-in");
+        let mut chains = Chains::new();
+        chains.insert(
+            self.p("PREROUTING"),
+            vec![
+                rule(&[
+                    "-m",
+                    "conntrack",
+                    "--ctstate",
+                    "RELATED,ESTABLISHED",
+                    "-j",
+                    "ACCEPT",
+                ])?,
+                // Accepted by untracked policy in raw.
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
+                rule(&["-i", &wl, "-j", "RETURN"])?,
+                rule(&["-j", &fhe])?,
+                on_mark(&[], &mark(m.accept), "ACCEPT")?,
+            ],
+        );
+        chains.insert(fs_in.clone(), self.failsafe_chains(MANGLE)?.0);
+        let pre = |id: &crate::model::HostEndpointId| {
+            self.hosts.get(id).filter(|h| !h.pre_dnat_tiers.is_empty())
+        };
+        let named: Vec<(&str, &crate::model::HostEndpoint)> = res
+            .named
+            .iter()
+            .filter_map(|(i, id)| Some((i.as_str(), pre(id)?)))
+            .collect();
+        let all = res.all.as_ref().and_then(pre);
+        let ifaces: Vec<&str> = named.iter().map(|(i, _)| *i).collect();
+        chains.insert(fhe, self.dispatch("-i", "fh", &ifaces, all.is_some())?);
+        let targets = named
+            .into_iter()
+            .map(|(i, h)| (Some(i), h))
+            .chain(all.map(|h| (None, h)));
+        for (iface, h) in targets {
+            chains.insert(
+                self.host_chain("fh", iface),
+                self.policy_body(
+                    &h.pre_dnat_tiers,
+                    &[],
+                    Direction::Inbound,
+                    Kind::PreDnat,
+                    Some(&fs_in),
+                )?,
+            );
+        }
+        Ok(chains)
+    }
+}
