@@ -36,6 +36,12 @@ pub fn render(s: &v1::DataplaneStatus) -> String {
         s.watchers,
         s.uptime_seconds,
     );
+    if s.apply_samples > 0 {
+        out.push_str(&format!(
+            "apply time:               p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (last {} applies)\n",
+            s.apply_p50_ms, s.apply_p99_ms, s.apply_max_ms, s.apply_samples
+        ));
+    }
     if !s.last_error.is_empty() {
         out.push_str(&format!("last error:               {}\n", s.last_error));
     }

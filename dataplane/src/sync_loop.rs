@@ -104,6 +104,49 @@ pub struct Status {
     pub objects: BTreeMap<&'static str, u64>,
     pub feeders: u32,
     pub last_error: Option<String>,
+    /// How long the last successful applies took (managers and kernel).
+    pub apply: ApplySummary,
+}
+
+/// Median, 99th percentile and maximum of the last applies.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ApplySummary {
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+    pub samples: usize,
+}
+
+/// The durations of the last [`ApplyTimes::KEEP`] successful applies.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct ApplyTimes {
+    recent: std::collections::VecDeque<Duration>,
+}
+
+impl ApplyTimes {
+    pub const KEEP: usize = 1000;
+
+    fn record(&mut self, d: Duration) {
+        if self.recent.len() == Self::KEEP {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(d);
+    }
+
+    fn summary(&self) -> ApplySummary {
+        let mut v: Vec<Duration> = self.recent.iter().copied().collect();
+        v.sort_unstable();
+        let q = |q: f64| {
+            let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len().max(1)) - 1;
+            v.get(i).copied().unwrap_or_default()
+        };
+        ApplySummary {
+            p50: q(0.5),
+            p99: q(0.99),
+            max: v.last().copied().unwrap_or_default(),
+            samples: v.len(),
+        }
+    }
 }
 
 /// Timings (Felix's defaults).
@@ -221,6 +264,7 @@ pub struct SyncLoop {
     failures: u32,
     reschedule_at: Option<Instant>,
     refill_at: Option<Instant>,
+    apply_times: ApplyTimes,
 }
 
 impl std::fmt::Debug for SyncLoop {
@@ -253,6 +297,7 @@ impl SyncLoop {
             failures: 0,
             reschedule_at: None,
             refill_at: None,
+            apply_times: ApplyTimes::default(),
         }
     }
 
@@ -506,6 +551,7 @@ impl SyncLoop {
     }
 
     async fn apply(&mut self, ch: &Channels) {
+        let started = Instant::now();
         self.dirty = false;
         self.status.applies += 1;
         for m in &mut self.managers {
@@ -568,6 +614,8 @@ impl SyncLoop {
         }
         self.status.last_error = None;
         self.failures = 0;
+        self.apply_times.record(started.elapsed());
+        self.status.apply = self.apply_times.summary();
         if still_dirty {
             // Something is left for another pass (the throttle paces it):
             // wake up for it even if nothing else happens.

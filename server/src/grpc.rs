@@ -356,6 +356,10 @@ impl Dataplane for DataplaneService {
             last_programmed_sequence: s.last_programmed,
             applies: s.applies,
             failed_applies: s.failed_applies,
+            apply_p50_ms: s.apply.p50.as_secs_f64() * 1000.0,
+            apply_p99_ms: s.apply.p99.as_secs_f64() * 1000.0,
+            apply_max_ms: s.apply.max.as_secs_f64() * 1000.0,
+            apply_samples: u32::try_from(s.apply.samples).unwrap_or(u32::MAX),
             objects: s
                 .objects
                 .iter()
