@@ -4,10 +4,13 @@ use std::collections::BTreeMap;
 
 use super::hosts::Resolved;
 use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
-use crate::backends::iptables::Rule;
+use crate::backends::iptables::{MAX_CHAIN_NAME, Rule};
 use crate::managers::ManagerError;
 use crate::model::{EndpointState, Id, IpVersion, TierDefault, TierInfo, WorkloadEndpoint};
 use crate::rules::{Direction, Renderer};
+
+/// Interfaces per dispatch chain before it is split.
+const DISPATCH_LEAF: usize = 32;
 
 /// The tables endpoint policy lives in.
 pub const FILTER: &str = "filter";
@@ -440,28 +443,82 @@ impl EndpointsManager {
             );
         }
 
-        let (mut from_rules, mut to_rules) = (Vec::new(), Vec::new());
-        for ep in self.endpoints.values() {
-            let iface = ep.name.as_str();
-            from_rules.push(rule(&[
-                "-i",
-                iface,
-                "-g",
-                &self.endpoint_chain(Direction::Outbound, iface),
-            ])?);
-            to_rules.push(rule(&[
-                "-o",
-                iface,
-                "-g",
-                &self.endpoint_chain(Direction::Inbound, iface),
-            ])?);
-        }
-        // Unknown workload interfaces: fail closed.
-        from_rules.push(rule(&["-j", "DROP"])?);
-        to_rules.push(rule(&["-j", "DROP"])?);
-        chains.insert(from, from_rules);
-        chains.insert(to, to_rules);
         Ok(chains)
+    }
+
+    /// The workload dispatch chains (filter): from and to each workload
+    /// interface, as a tree split by the characters of the names.
+    pub(super) fn dispatch_chains(&self) -> Result<Chains, ManagerError> {
+        let wl = self.cfg.workload_prefix.as_str();
+        // Only names with the workload prefix can reach dispatch at all.
+        let mut ifaces: Vec<&str> = self
+            .endpoints
+            .values()
+            .map(|ep| ep.name.as_str())
+            .filter(|n| n.starts_with(wl))
+            .collect();
+        ifaces.sort_unstable();
+        ifaces.dedup();
+        let mut chains = Chains::new();
+        for (flag, dir, root) in [
+            ("-i", Direction::Outbound, self.p("from-wl-dispatch")),
+            ("-o", Direction::Inbound, self.p("to-wl-dispatch")),
+        ] {
+            let entries: Vec<(&str, String)> = ifaces
+                .iter()
+                .map(|i| (*i, self.endpoint_chain(dir, i)))
+                .collect();
+            self.dispatch_tree(flag, root, wl.len(), &entries, &mut chains)?;
+        }
+        Ok(chains)
+    }
+
+    /// One dispatch chain `name` for `entries` (sorted by interface, all
+    /// sharing their first `depth` bytes): a rule per interface, or, when
+    /// there are many, one `-i <name prefix>+ -g <child>` per next
+    /// character (Felix splits its dispatch chains the same way), so that
+    /// an endpoint coming or going rewrites one small chain rather than a
+    /// chain with a rule per endpoint. Unknown interfaces are dropped at
+    /// every level: fail closed.
+    fn dispatch_tree(
+        &self,
+        flag: &str,
+        name: String,
+        depth: usize,
+        entries: &[(&str, String)],
+        out: &mut Chains,
+    ) -> Result<(), ManagerError> {
+        let mut rules = Vec::new();
+        let split = entries.len() > DISPATCH_LEAF && name.len() + 2 <= MAX_CHAIN_NAME;
+        let mut i = 0;
+        while i < entries.len() {
+            let (iface, target) = &entries[i];
+            let Some(key) = iface.get(..=depth).filter(|_| split) else {
+                rules.push(rule(&[flag, iface, "-g", target])?);
+                i += 1;
+                continue;
+            };
+            let j = i + entries[i..]
+                .iter()
+                .take_while(|(n, _)| n.get(..=depth) == Some(key))
+                .count();
+            if j - i == 1 {
+                rules.push(rule(&[flag, iface, "-g", target])?);
+            } else {
+                let c = &key[depth..];
+                let child = if depth == self.cfg.workload_prefix.len() {
+                    format!("{name}-{c}")
+                } else {
+                    format!("{name}{c}")
+                };
+                rules.push(rule(&[flag, &format!("{key}+"), "-g", &child])?);
+                self.dispatch_tree(flag, child, depth + 1, &entries[i..j], out)?;
+            }
+            i = j;
+        }
+        rules.push(rule(&["-j", "DROP"])?);
+        out.insert(name, rules);
+        Ok(())
     }
 
     /// raw: untracked policy of host endpoints on named interfaces (Felix

@@ -108,7 +108,9 @@ enum Owner {
     Policy(PolicyId),
     Profile(Id),
     Workload(WorkloadEndpointId),
-    /// Top-level, dispatch, failsafe and host endpoint chains.
+    /// The workload dispatch chains.
+    Dispatch,
+    /// Top-level, failsafe and host endpoint chains.
     Static,
 }
 
@@ -122,7 +124,9 @@ struct Dirty {
     workloads: BTreeSet<WorkloadEndpointId>,
     /// IP sets that came or went: rules naming them change.
     sets: BTreeSet<Id>,
-    /// Dispatch chains, host endpoints, top-level chains.
+    /// Workload dispatch chains.
+    dispatch: bool,
+    /// Host endpoints, top-level chains.
     statics: bool,
     /// Routes, neighbours and sysctls.
     routes: bool,
@@ -131,6 +135,7 @@ struct Dirty {
 impl Dirty {
     fn any(&self) -> bool {
         self.all
+            || self.dispatch
             || self.statics
             || self.routes
             || !(self.policies.is_empty()
@@ -308,6 +313,7 @@ impl EndpointsManager {
                 Some(ep) => self.workload_chains(ep),
                 None => Ok(chains::Chains::new()),
             },
+            Owner::Dispatch if table == FILTER => self.dispatch_chains(),
             Owner::Static => self.static_chains(table, &self.resolved),
             _ => Ok(chains::Chains::new()),
         }
@@ -482,14 +488,14 @@ impl Manager for EndpointsManager {
                 self.dirty.workloads.insert(id.clone());
                 self.dirty.routes = true;
                 // A new or renamed interface changes the dispatch chains.
-                self.dirty.statics |= old.is_none_or(|o| o.name != ep.name);
+                self.dirty.dispatch |= old.is_none_or(|o| o.name != ep.name);
             }
             Update::Remove(Key::WorkloadEndpoint(id)) => {
                 if let Some(o) = self.endpoints.remove(id) {
                     self.index(id, &o, false);
                     self.dirty.workloads.insert(id.clone());
                     self.dirty.routes = true;
-                    self.dirty.statics = true;
+                    self.dirty.dispatch = true;
                 }
             }
             Update::HostEndpoint(id, hep) => {
@@ -638,6 +644,9 @@ impl Manager for EndpointsManager {
             owners.extend(policies.into_iter().map(Owner::Policy));
             owners.extend(profiles.into_iter().map(Owner::Profile));
             owners.extend(d.workloads.into_iter().map(Owner::Workload));
+        }
+        if d.all || d.dispatch {
+            owners.push(Owner::Dispatch);
         }
         if d.all || d.statics {
             self.resolved = self.resolve_hosts();

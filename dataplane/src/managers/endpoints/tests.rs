@@ -582,3 +582,86 @@ fn incremental_changes_reach_the_chains_they_affect() {
     );
     assert!(k.tables[0].chain("dph-pi-t.late").is_none());
 }
+
+/// Where `-i`/`-o` dispatch sends `iface`, following the chains as the
+/// kernel would (first match; `name+` matches names starting with name).
+fn dispatch_to(c: &Chains, root: &str, iface: &str) -> String {
+    let mut chain = root.to_string();
+    'walk: loop {
+        for r in &c[&chain] {
+            let t: Vec<&str> = r.split(' ').collect();
+            if t == ["-j", "DROP"] {
+                return "DROP".into();
+            }
+            let pat = t[1];
+            let hit = match pat.strip_suffix('+') {
+                Some(p) => iface.starts_with(p),
+                None => iface == pat,
+            };
+            if hit {
+                chain = t[3].to_string();
+                if !c.contains_key(&chain) || !chain.contains("dispatch") {
+                    return chain;
+                }
+                continue 'walk;
+            }
+        }
+        return "fell off".into();
+    }
+}
+
+#[test]
+fn dispatch_is_a_tree_that_reaches_every_endpoint() {
+    let mut m = mgr();
+    let names: Vec<String> = (0..300u32)
+        .map(|i| format!("cali{:011x}", i.wrapping_mul(2_654_435_761) >> 4))
+        .chain(["cali1".to_string(), "cali12".to_string()])
+        .collect();
+    for n in &names {
+        m.on_update(&wep(n, vec![], &[], EndpointState::Active));
+    }
+    let mut k = kernel(IpVersion::V4);
+    let c = run(&mut m, &mut k, "filter");
+    let root = &c["dph-from-wl-dispatch"];
+    assert!(root.len() < 40, "split: {} rules in the root", root.len());
+    assert!(
+        root.iter()
+            .any(|r| r.starts_with("-i cali1+ -g dph-from-wl-dispatch-1"))
+    );
+    assert!(
+        c.keys()
+            .filter(|n| n.starts_with("dph-from-wl-dispatch"))
+            .all(|n| n.len() <= 28)
+    );
+    for n in &names {
+        assert_eq!(
+            dispatch_to(&c, "dph-from-wl-dispatch", n),
+            format!("dph-fw-{n}")
+        );
+        assert_eq!(
+            dispatch_to(&c, "dph-to-wl-dispatch", n),
+            format!("dph-tw-{n}")
+        );
+    }
+    assert_eq!(dispatch_to(&c, "dph-from-wl-dispatch", "cali1ffff"), "DROP");
+    assert_eq!(dispatch_to(&c, "dph-from-wl-dispatch", "calizzz"), "DROP");
+    assert!(
+        c.values().all(|rules| rules.len() <= 40),
+        "no chain holds a rule per endpoint"
+    );
+
+    // One endpoint more rewrites one small leaf, not the root.
+    let before = c;
+    m.on_update(&wep("cali00000000abc", vec![], &[], EndpointState::Active));
+    let after = run(&mut m, &mut k, "filter");
+    let changed: Vec<&String> = after
+        .iter()
+        .filter(|(n, r)| n.contains("dispatch") && before.get(*n) != Some(r))
+        .map(|(n, _)| n)
+        .collect();
+    assert!(changed.len() <= 4, "{changed:?}");
+    assert_eq!(
+        dispatch_to(&after, "dph-to-wl-dispatch", "cali00000000abc"),
+        "dph-tw-cali00000000abc"
+    );
+}
