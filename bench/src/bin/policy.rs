@@ -60,6 +60,10 @@ struct Args {
     churn_rate: u32,
     #[arg(long, env = "DPH_BENCH_CHURN_SECONDS", default_value_t = 20)]
     churn_seconds: u32,
+    /// Quiet time before each timed policy change (the server's post-write
+    /// re-read must be over).
+    #[arg(long, env = "DPH_BENCH_SETTLE_SECONDS", default_value_t = 12)]
+    settle_seconds: u64,
 }
 
 const NAMESPACES: usize = 50;
@@ -362,13 +366,12 @@ async fn main() -> Result<()> {
         "*filter\n:{chain} - [0:0]\n{}\nCOMMIT\n",
         chain_rules.join("\n")
     );
+    // Both are timed on a quiet machine: the server re-reads a table once,
+    // 5 s after its last write (at this scale iptables-save takes seconds),
+    // so each change first waits for that to be over.
     let (mut ours_change, mut raw_change) = (Vec::new(), Vec::new());
     for i in 0..a.changes {
-        let p = 1 + i * 7 % a.policies;
-        let t0 = Instant::now();
-        let seq = feed.send(policy(&a, p, 1 + i))?;
-        let at = feed.until(seq, Duration::from_secs(60)).await?;
-        ours_change.push((at - t0).as_secs_f64() * 1000.0);
+        tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;
         let took = timed(
             &raw_ns,
             "iptables-restore",
@@ -376,6 +379,11 @@ async fn main() -> Result<()> {
             rewrite.as_bytes(),
         )?;
         raw_change.push(took.as_secs_f64() * 1000.0);
+        let p = 1 + i * 7 % a.policies;
+        let t0 = Instant::now();
+        let seq = feed.send(policy(&a, p, 1 + i))?;
+        let at = feed.until(seq, Duration::from_secs(60)).await?;
+        ours_change.push((at - t0).as_secs_f64() * 1000.0);
     }
     drop(raw_ns);
 

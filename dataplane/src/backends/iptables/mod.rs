@@ -159,6 +159,11 @@ pub trait IptablesExec: Send + std::fmt::Debug {
     fn save(&mut self, table: &str) -> Result<String, BackendError>;
     /// `iptables-restore --noflush --wait` with `input` on stdin.
     fn restore(&mut self, input: &str) -> Result<(), BackendError>;
+    /// Split a write that sets more chains than this into several
+    /// transactions (None: never split).
+    fn chains_per_restore(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A chain as read back.
@@ -192,6 +197,14 @@ const BUILTINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROU
 
 fn is_builtin(chain: &str) -> bool {
     BUILTINS.contains(&chain)
+}
+
+/// One chain's share of a restore: its declaration and its lines.
+#[derive(Debug, Default)]
+struct Part {
+    name: String,
+    decl: String,
+    body: String,
 }
 
 /// A chain we want, with what is derived from its rules once.
@@ -449,9 +462,24 @@ impl Table {
 
     /// The restore input that brings `observed` to the desired state;
     /// `observed` is updated to what the kernel holds once it is applied.
-    fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> String {
-        let mut decl = String::new();
-        let mut body = String::new();
+    ///
+    /// Usually one transaction; a write that sets more chains than the
+    /// tool handles well in one ([`IptablesExec::chains_per_restore`])
+    /// becomes several, each holding whole chains, ordered so that a chain
+    /// is complete before anything jumps to it, with the hooks and the
+    /// deletions in the last one.
+    fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> Vec<String> {
+        let mut parts: Vec<Part> = Vec::new();
+        let mut part = |name: &str, observed: &mut BTreeMap<String, ObservedChain>| {
+            let mut p = Part {
+                name: name.to_string(),
+                ..Part::default()
+            };
+            self.render_chain(name, observed, &mut p.decl, &mut p.body);
+            if !(p.decl.is_empty() && p.body.is_empty()) {
+                parts.push(p);
+            }
+        };
         let whole = self.full_diff || self.reshaped;
         if !whole {
             // Nothing but rule changes in chains that stay programmed:
@@ -461,13 +489,10 @@ impl Table {
             // they were.
             for name in &self.touched {
                 if observed.contains_key(name) {
-                    self.render_chain(name, observed, &mut decl, &mut body);
+                    part(name, observed);
                 }
             }
-            if decl.is_empty() && body.is_empty() {
-                return String::new();
-            }
-            return format!("*{}\n{decl}{body}COMMIT\n", self.table);
+            return self.transactions(parts, String::new());
         }
         let programmed = self.programmed();
         // Our chains: every one after a read, otherwise those changed since
@@ -475,9 +500,10 @@ impl Table {
         for name in &programmed {
             let fresh = !observed.contains_key(name);
             if fresh || self.full_diff || self.touched.contains(name) {
-                self.render_chain(name, observed, &mut decl, &mut body);
+                part(name, observed);
             }
         }
+        let mut body = String::new();
         // Our rules in the built-in chains.
         let builtins: BTreeSet<String> = self
             .hooks
@@ -562,10 +588,74 @@ impl Table {
             let _ = writeln!(body, "-X {n}");
             observed.remove(n);
         }
-        if decl.is_empty() && body.is_empty() {
-            return String::new();
+        self.transactions(parts, body)
+    }
+
+    /// Packs chain parts and the closing lines (hooks, deletions) into
+    /// restore inputs.
+    fn transactions(&self, parts: Vec<Part>, tail: String) -> Vec<String> {
+        if parts.is_empty() && tail.is_empty() {
+            return Vec::new();
         }
-        format!("*{}\n{decl}{body}COMMIT\n", self.table)
+        let per = self.exec.chains_per_restore().unwrap_or(usize::MAX).max(1);
+        let parts = if parts.len() > per {
+            self.dependency_order(parts)
+        } else {
+            parts
+        };
+        let mut out: Vec<String> = Vec::new();
+        let mut chunks = parts.chunks(per).peekable();
+        if chunks.peek().is_none() {
+            return vec![format!("*{}\n{tail}COMMIT\n", self.table)];
+        }
+        while let Some(chunk) = chunks.next() {
+            let mut t = format!("*{}\n", self.table);
+            for p in chunk {
+                t.push_str(&p.decl);
+            }
+            for p in chunk {
+                t.push_str(&p.body);
+            }
+            if chunks.peek().is_none() {
+                t.push_str(&tail);
+            }
+            t.push_str("COMMIT\n");
+            out.push(t);
+        }
+        out
+    }
+
+    /// `parts` with every chain after the chains it jumps to.
+    fn dependency_order(&self, parts: Vec<Part>) -> Vec<Part> {
+        let mut by_name: BTreeMap<String, Part> =
+            parts.into_iter().map(|p| (p.name.clone(), p)).collect();
+        let names: Vec<String> = by_name.keys().cloned().collect();
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::with_capacity(names.len());
+        // Iterative post-order walk over the jump targets.
+        for root in names {
+            let mut stack = vec![(root, false)];
+            while let Some((name, expanded)) = stack.pop() {
+                if expanded {
+                    if let Some(p) = by_name.remove(&name) {
+                        out.push(p);
+                    }
+                    continue;
+                }
+                if !seen.insert(name.clone()) {
+                    continue;
+                }
+                stack.push((name.clone(), true));
+                if let Some(c) = self.chains.get(&name) {
+                    for t in c.targets.iter().rev() {
+                        if by_name.contains_key(t) && !seen.contains(t) {
+                            stack.push((t.clone(), false));
+                        }
+                    }
+                }
+            }
+        }
+        out
     }
 
     fn apply_table(&mut self) -> Result<ApplyOutcome, BackendError> {
@@ -577,16 +667,24 @@ impl Table {
             self.read()?;
         }
         let mut observed = self.observed.take().expect("read above");
-        let input = self.render(&mut observed);
-        if input.is_empty() {
+        let inputs = self.render(&mut observed);
+        if inputs.is_empty() {
             self.observed = Some(observed);
             self.done();
             return Ok(ApplyOutcome::default());
         }
-        debug!(table = self.table, bytes = input.len(), "iptables-restore");
+        debug!(
+            table = self.table,
+            transactions = inputs.len(),
+            bytes = inputs.iter().map(String::len).sum::<usize>(),
+            "iptables-restore"
+        );
         // On failure `observed` is dropped: we no longer know what the
-        // table holds, and read it again next time.
-        self.exec.restore(&input)?;
+        // table holds (earlier transactions may have landed), and read it
+        // again next time.
+        for input in &inputs {
+            self.exec.restore(input)?;
+        }
         self.observed = Some(observed);
         self.done();
         self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);

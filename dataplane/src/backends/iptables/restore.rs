@@ -92,7 +92,16 @@ pub struct IptablesTool {
     restore: String,
     wrapper: Vec<String>,
     backend: &'static str,
+    flavor: Flavor,
 }
+
+/// Chains per `iptables-nft-restore --noflush` transaction when a write is
+/// large. iptables-nft 1.8.9 looks a rule's chain up among the chains of
+/// the transaction one by one, so one transaction for 30,000 chains and
+/// 300,000 rules took 96 s here, against 8.9 s for a fresh (flushing)
+/// restore of the same file and 6.9 s for 60 `--noflush` transactions of
+/// 500 chains each (2,000: 8.5 s).
+pub const NFT_CHAINS_PER_RESTORE: usize = 500;
 
 impl IptablesTool {
     pub fn new(flavor: Flavor, version: IpVersion, wrapper: Vec<String>) -> Self {
@@ -104,6 +113,7 @@ impl IptablesTool {
                 IpVersion::V4 => "iptables",
                 IpVersion::V6 => "ip6tables",
             },
+            flavor,
         }
     }
 
@@ -118,6 +128,12 @@ impl IptablesTool {
 }
 
 impl IptablesExec for IptablesTool {
+    fn chains_per_restore(&self) -> Option<usize> {
+        // iptables-legacy rewrites the whole table on every commit: one
+        // transaction is cheapest there.
+        (self.flavor == Flavor::Nft).then_some(NFT_CHAINS_PER_RESTORE)
+    }
+
     fn save(&mut self, table: &str) -> Result<String, BackendError> {
         let out = command(&self.wrapper, &self.save)
             .args(["-t", table])

@@ -9,6 +9,8 @@ struct Rec {
     save: String,
     inputs: Vec<String>,
     saves: usize,
+    /// Chains per transaction (None: never split).
+    per: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -24,6 +26,9 @@ impl IptablesExec for Recording {
     fn restore(&mut self, input: &str) -> Result<(), BackendError> {
         self.0.lock().unwrap().inputs.push(input.to_string());
         Ok(())
+    }
+    fn chains_per_restore(&self) -> Option<usize> {
+        self.0.lock().unwrap().per
     }
 }
 
@@ -290,4 +295,73 @@ fn a_refresh_rereads_and_restores_what_was_deleted_by_hand() {
             hh[0]
         )
     );
+}
+
+#[test]
+fn a_large_write_is_split_with_every_chain_complete_before_it_is_reached() {
+    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    rec.0.lock().unwrap().per = Some(2);
+    // dph-top -> dph-d -> dph-a, dph-b, dph-c (each with two rules).
+    for c in ["a", "b", "c"] {
+        t.set_chain(
+            &format!("dph-{c}"),
+            vec![r("-p tcp -j ACCEPT"), r("-j DROP")],
+        )
+        .unwrap();
+    }
+    t.set_chain(
+        "dph-d",
+        vec![r("-i x -g dph-a"), r("-i y -g dph-b"), r("-i z -g dph-c")],
+    )
+    .unwrap();
+    t.set_chain("dph-top", vec![r("-j dph-d")]).unwrap();
+    t.set_hooks("FORWARD", vec![r("-j dph-top")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    let inputs = rec.0.lock().unwrap().inputs.clone();
+    assert_eq!(inputs.len(), 3, "5 chains, 2 per transaction: {inputs:#?}");
+    let mut exist: Vec<String> = Vec::new();
+    for (i, input) in inputs.iter().enumerate() {
+        assert!(input.starts_with("*filter\n") && input.ends_with("COMMIT\n"));
+        let declared: Vec<String> = input
+            .lines()
+            .filter_map(|l| l.strip_prefix(':'))
+            .map(|l| l.split(' ').next().unwrap().to_string())
+            .collect();
+        exist.extend(declared.iter().cloned());
+        for l in input
+            .lines()
+            .filter(|l| l.starts_with("-A ") || l.starts_with("-I "))
+        {
+            let chain = l.split(' ').nth(1).unwrap();
+            if chain != "FORWARD" {
+                assert!(
+                    declared.iter().any(|d| d == chain),
+                    "rules go with their chain: {l}"
+                );
+            }
+            for target in ["dph-a", "dph-b", "dph-c", "dph-d", "dph-top"] {
+                if l.ends_with(&format!(" {target}")) {
+                    assert!(
+                        exist.iter().any(|e| e == target),
+                        "{target} exists before {l}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            input.contains("-I FORWARD 1"),
+            i == inputs.len() - 1,
+            "the hook comes last, once everything is in place"
+        );
+    }
+    assert_eq!(exist.len(), 5);
+    // Small changes stay one atomic transaction.
+    t.set_chain("dph-a", vec![r("-j DROP")]).unwrap();
+    t.set_chain("dph-b", vec![r("-j DROP")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(inputs_after(&rec, 3), 1);
+}
+
+fn inputs_after(rec: &Recording, n: usize) -> usize {
+    rec.0.lock().unwrap().inputs.len() - n
 }
