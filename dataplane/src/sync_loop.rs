@@ -108,25 +108,59 @@ pub struct Status {
     pub apply: ApplySummary,
 }
 
-/// Median, 99th percentile and maximum of the last applies.
+/// Median, 99th percentile and maximum of the last applies, and every
+/// apply since start counted by duration.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ApplySummary {
     pub p50: Duration,
     pub p99: Duration,
     pub max: Duration,
     pub samples: usize,
+    /// Cumulative: `histogram[i]` applies took at most
+    /// [`APPLY_BUCKETS_MS`]`[i]` (the last bucket counts them all).
+    pub histogram: [u64; APPLY_BUCKETS_MS.len()],
 }
+
+/// Upper bounds (ms) of the apply-time histogram; the last is unbounded.
+pub const APPLY_BUCKETS_MS: [f64; 19] = [
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    50.0,
+    100.0,
+    150.0,
+    200.0,
+    250.0,
+    300.0,
+    400.0,
+    500.0,
+    750.0,
+    1000.0,
+    2000.0,
+    5000.0,
+    10000.0,
+    f64::INFINITY,
+];
 
 /// The durations of the last [`ApplyTimes::KEEP`] successful applies.
 #[derive(Debug, Clone, Default, PartialEq)]
 struct ApplyTimes {
     recent: std::collections::VecDeque<Duration>,
+    histogram: [u64; APPLY_BUCKETS_MS.len()],
 }
 
 impl ApplyTimes {
     pub const KEEP: usize = 1000;
 
     fn record(&mut self, d: Duration) {
+        let ms = d.as_secs_f64() * 1000.0;
+        for (count, le) in self.histogram.iter_mut().zip(APPLY_BUCKETS_MS) {
+            if ms <= le {
+                *count += 1;
+            }
+        }
         if self.recent.len() == Self::KEEP {
             self.recent.pop_front();
         }
@@ -145,6 +179,7 @@ impl ApplyTimes {
             p99: q(0.99),
             max: v.last().copied().unwrap_or_default(),
             samples: v.len(),
+            histogram: self.histogram,
         }
     }
 }

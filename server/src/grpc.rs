@@ -360,6 +360,11 @@ impl Dataplane for DataplaneService {
             apply_p99_ms: s.apply.p99.as_secs_f64() * 1000.0,
             apply_max_ms: s.apply.max.as_secs_f64() * 1000.0,
             apply_samples: u32::try_from(s.apply.samples).unwrap_or(u32::MAX),
+            apply_histogram: dphandler_dataplane::sync_loop::APPLY_BUCKETS_MS
+                .iter()
+                .zip(s.apply.histogram)
+                .map(|(le, count)| v1::ApplyBucket { le_ms: *le, count })
+                .collect(),
             objects: s
                 .objects
                 .iter()
