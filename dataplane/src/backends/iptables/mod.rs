@@ -200,11 +200,21 @@ fn is_builtin(chain: &str) -> bool {
 }
 
 /// One chain's share of a restore: its declaration and its lines.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Part {
     name: String,
+    /// Ranges of the shared declaration and body buffers (one allocation
+    /// each for the whole render, not two per chain).
+    decl: std::ops::Range<usize>,
+    body: std::ops::Range<usize>,
+}
+
+/// Everything one render writes.
+#[derive(Debug, Default)]
+struct Script {
     decl: String,
     body: String,
+    parts: Vec<Part>,
 }
 
 /// A chain we want, with what is derived from its rules once.
@@ -475,15 +485,17 @@ impl Table {
     /// is complete before anything jumps to it, with the hooks and the
     /// deletions in the last one.
     fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> Vec<String> {
-        let mut parts: Vec<Part> = Vec::new();
+        let mut script = Script::default();
         let mut part = |name: &str, observed: &mut BTreeMap<String, ObservedChain>| {
-            let mut p = Part {
-                name: name.to_string(),
-                ..Part::default()
-            };
-            self.render_chain(name, observed, &mut p.decl, &mut p.body);
-            if !(p.decl.is_empty() && p.body.is_empty()) {
-                parts.push(p);
+            let (d0, b0) = (script.decl.len(), script.body.len());
+            self.render_chain(name, observed, &mut script.decl, &mut script.body);
+            let (d1, b1) = (script.decl.len(), script.body.len());
+            if d1 > d0 || b1 > b0 {
+                script.parts.push(Part {
+                    name: name.to_string(),
+                    decl: d0..d1,
+                    body: b0..b1,
+                });
             }
         };
         let whole = self.full_diff || self.reshaped;
@@ -498,7 +510,7 @@ impl Table {
                     part(name, observed);
                 }
             }
-            return self.transactions(parts, String::new());
+            return self.transactions(script, String::new());
         }
         let programmed = self.reachable();
         // Our chains: every one after a read, otherwise those changed since
@@ -598,33 +610,31 @@ impl Table {
             let _ = writeln!(body, "-X {n}");
             observed.remove(n);
         }
-        self.transactions(parts, body)
+        self.transactions(script, body)
     }
 
     /// Packs chain parts and the closing lines (hooks, deletions) into
     /// restore inputs.
-    fn transactions(&self, parts: Vec<Part>, tail: String) -> Vec<String> {
+    fn transactions(&self, script: Script, tail: String) -> Vec<String> {
+        let Script { decl, body, parts } = script;
         if parts.is_empty() && tail.is_empty() {
             return Vec::new();
         }
         let per = self.exec.chains_per_restore().unwrap_or(usize::MAX).max(1);
-        let parts = if parts.len() > per {
-            self.dependency_order(parts)
-        } else {
-            parts
-        };
+        if parts.len() <= per {
+            // One transaction: the buffers are already in order.
+            return vec![format!("*{}\n{decl}{body}{tail}COMMIT\n", self.table)];
+        }
+        let parts = self.dependency_order(parts);
         let mut out: Vec<String> = Vec::new();
         let mut chunks = parts.chunks(per).peekable();
-        if chunks.peek().is_none() {
-            return vec![format!("*{}\n{tail}COMMIT\n", self.table)];
-        }
         while let Some(chunk) = chunks.next() {
             let mut t = format!("*{}\n", self.table);
             for p in chunk {
-                t.push_str(&p.decl);
+                t.push_str(&decl[p.decl.clone()]);
             }
             for p in chunk {
-                t.push_str(&p.body);
+                t.push_str(&body[p.body.clone()]);
             }
             if chunks.peek().is_none() {
                 t.push_str(&tail);
