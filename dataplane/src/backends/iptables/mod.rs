@@ -17,7 +17,11 @@
 //! and chain deletions last. Only chains that a hook reaches (or that are
 //! forced) are programmed. After a write the table is re-read once
 //! ([`POST_WRITE_CHECK`]) and on every refresh tick, and whatever was
-//! changed by hand is put back.
+//! changed by hand is put back. Those check-reads run on a thread of their
+//! own while applies go on (at 300,000 rules `iptables-save` takes
+//! seconds); a read that a write overtook is dropped and taken again
+//! later. The first read, and the read after a failed write, are done in
+//! the apply itself.
 
 pub mod restore;
 pub mod save;
@@ -35,6 +39,8 @@ use crate::model::IpVersion;
 
 /// When a table is read again after we wrote it.
 pub const POST_WRITE_CHECK: Duration = Duration::from_secs(5);
+/// How often an apply looks whether a background read has finished.
+const CHECK_POLL: Duration = Duration::from_millis(100);
 
 /// iptables' limit on chain names.
 pub const MAX_CHAIN_NAME: usize = 28;
@@ -164,6 +170,21 @@ pub trait IptablesExec: Send + std::fmt::Debug {
     fn chains_per_restore(&self) -> Option<usize> {
         None
     }
+    /// A `save` of `table` that can run on another thread while the table
+    /// goes on being applied (None: re-reads block the apply).
+    fn detached_save(&self, _table: &str) -> Option<DetachedSave> {
+        None
+    }
+}
+
+/// A table read that runs on its own thread.
+pub type DetachedSave = Box<dyn FnOnce() -> Result<String, BackendError> + Send>;
+
+/// A re-read in flight, and the write count when it started.
+#[derive(Debug)]
+struct BackgroundRead {
+    handle: std::thread::JoinHandle<Result<String, BackendError>>,
+    writes: u64,
 }
 
 /// A chain as read back.
@@ -249,6 +270,11 @@ pub struct Table {
     /// chain, not only at the chains touched.
     reshaped: bool,
     recheck_at: Option<Instant>,
+    /// A check-read running beside the applies (at 300,000 rules
+    /// iptables-save takes seconds; the loop does not wait for it).
+    background: Option<BackgroundRead>,
+    /// Successful writes so far: a background read that saw fewer is stale.
+    writes: u64,
 }
 
 impl Table {
@@ -274,6 +300,8 @@ impl Table {
             changed: true,
             reshaped: true,
             recheck_at: None,
+            background: None,
+            writes: 0,
         }
     }
 
@@ -678,10 +706,55 @@ impl Table {
         out
     }
 
+    /// Starts the check-read, in the background where the tool allows it
+    /// (else it happens now, in this apply).
+    fn start_check(&mut self) {
+        self.recheck_at = None;
+        if self.background.is_some() {
+            return;
+        }
+        match self.exec.detached_save(self.table) {
+            Some(save) => {
+                self.background = Some(BackgroundRead {
+                    handle: std::thread::spawn(save),
+                    writes: self.writes,
+                });
+            }
+            None => self.observed = None,
+        }
+    }
+
+    /// Takes a finished background read: adopted if no write happened
+    /// since it began (then everything is diffed against it), dropped
+    /// otherwise (the next check reads again).
+    fn collect_check(&mut self) -> Result<(), BackendError> {
+        if !self
+            .background
+            .as_ref()
+            .is_some_and(|b| b.handle.is_finished())
+        {
+            return Ok(());
+        }
+        let b = self.background.take().expect("checked above");
+        let text = b.handle.join().map_err(|_| BackendError::Parse {
+            backend: "iptables",
+            reason: "the table read panicked".into(),
+        })??;
+        if b.writes == self.writes && self.observed.is_some() {
+            self.observed = Some(save::parse(&text, &self.own.comment_prefix));
+            self.full_diff = true;
+        } else {
+            self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);
+        }
+        Ok(())
+    }
+
     fn apply_table(&mut self) -> Result<ApplyOutcome, BackendError> {
+        // A read started earlier first; one started now is taken by a
+        // later apply.
+        self.collect_check()?;
         if self.recheck_at.is_some_and(|t| Instant::now() >= t) {
-            self.recheck_at = None;
-            self.observed = None;
+            self.start_check();
         }
         if self.observed.is_none() {
             self.read()?;
@@ -691,7 +764,9 @@ impl Table {
         if inputs.is_empty() {
             self.observed = Some(observed);
             self.done();
-            return Ok(ApplyOutcome::default());
+            return Ok(ApplyOutcome {
+                reschedule_after: self.next_check(),
+            });
         }
         debug!(
             table = self.table,
@@ -705,12 +780,23 @@ impl Table {
         for input in &inputs {
             self.exec.restore(input)?;
         }
+        self.writes += 1;
         self.observed = Some(observed);
         self.done();
         self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);
         Ok(ApplyOutcome {
-            reschedule_after: Some(POST_WRITE_CHECK),
+            reschedule_after: self.next_check(),
         })
+    }
+
+    /// When the loop should come back: for a read in flight, or for the
+    /// next check.
+    fn next_check(&self) -> Option<Duration> {
+        if self.background.is_some() {
+            return Some(CHECK_POLL);
+        }
+        self.recheck_at
+            .map(|t| t.saturating_duration_since(Instant::now()))
     }
 
     fn done(&mut self) {
@@ -743,12 +829,18 @@ impl Backend for Table {
         phase == Phase::Tables
             && (self.changed
                 || self.observed.is_none()
-                || self.recheck_at.is_some_and(|t| Instant::now() >= t))
+                || self.recheck_at.is_some_and(|t| Instant::now() >= t)
+                || self
+                    .background
+                    .as_ref()
+                    .is_some_and(|b| b.handle.is_finished()))
     }
 
     fn request_resync(&mut self, refresh: Refresh) {
         if refresh == Refresh::Iptables {
-            self.observed = None;
+            // The refresh tick: a check-read (in the background when the
+            // tool allows), like the one after writes.
+            self.recheck_at = Some(Instant::now());
         }
     }
 

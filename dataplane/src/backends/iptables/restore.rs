@@ -84,6 +84,36 @@ fn command(wrapper: &[String], program: &str) -> Command {
     }
 }
 
+/// `<save> -t <table>`, its output as text.
+fn run_save(
+    wrapper: &[String],
+    save: &str,
+    backend: &'static str,
+    table: &str,
+) -> Result<String, BackendError> {
+    let out = command(wrapper, save)
+        .args(["-t", table])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| BackendError::Io {
+            backend,
+            context: format!("running {save}"),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(BackendError::Command {
+            backend,
+            command: format!("{save} -t {table}"),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    String::from_utf8(out.stdout).map_err(|e| BackendError::Parse {
+        backend,
+        reason: format!("{save} printed non-UTF-8: {e}"),
+    })
+}
+
 /// Runs the tools of one flavour and IP version, optionally under a wrapper
 /// command (e.g. `ip netns exec NAME`, for tests and benchmarks).
 #[derive(Debug, Clone)]
@@ -135,23 +165,13 @@ impl IptablesExec for IptablesTool {
     }
 
     fn save(&mut self, table: &str) -> Result<String, BackendError> {
-        let out = command(&self.wrapper, &self.save)
-            .args(["-t", table])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(self.io(format!("running {}", self.save)))?;
-        if !out.status.success() {
-            return Err(BackendError::Command {
-                backend: self.backend,
-                command: format!("{} -t {table}", self.save),
-                status: out.status.to_string(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
-        }
-        String::from_utf8(out.stdout).map_err(|e| BackendError::Parse {
-            backend: self.backend,
-            reason: format!("{} printed non-UTF-8: {e}", self.save),
-        })
+        run_save(&self.wrapper, &self.save, self.backend, table)
+    }
+
+    fn detached_save(&self, table: &str) -> Option<super::DetachedSave> {
+        let (wrapper, save, backend) = (self.wrapper.clone(), self.save.clone(), self.backend);
+        let table = table.to_string();
+        Some(Box::new(move || run_save(&wrapper, &save, backend, &table)))
     }
 
     fn restore(&mut self, input: &str) -> Result<(), BackendError> {

@@ -11,6 +11,8 @@ struct Rec {
     saves: usize,
     /// Chains per transaction (None: never split).
     per: Option<usize>,
+    /// Offer reads that run on another thread.
+    detached: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -29,6 +31,15 @@ impl IptablesExec for Recording {
     }
     fn chains_per_restore(&self) -> Option<usize> {
         self.0.lock().unwrap().per
+    }
+    fn detached_save(&self, table: &str) -> Option<DetachedSave> {
+        let me = self.clone();
+        let table = table.to_string();
+        self.0
+            .lock()
+            .unwrap()
+            .detached
+            .then(|| Box::new(move || me.clone().save(&table)) as DetachedSave)
     }
 }
 
@@ -364,4 +375,69 @@ fn a_large_write_is_split_with_every_chain_complete_before_it_is_reached() {
 
 fn inputs_after(rec: &Recording, n: usize) -> usize {
     rec.0.lock().unwrap().inputs.len() - n
+}
+
+/// Waits for the table's background read to finish (is_dirty turns true).
+fn wait_read(t: &Table) {
+    for _ in 0..500 {
+        if t.is_dirty(Phase::Tables) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!("the background read never finished");
+}
+
+#[test]
+fn check_reads_run_in_the_background_and_stale_ones_are_dropped() {
+    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    rec.0.lock().unwrap().detached = true;
+    t.set_chain("dph-a", vec![r("-j DROP")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-a")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        rec.0.lock().unwrap().saves,
+        1,
+        "the first read is in the apply"
+    );
+    let written = last(&rec);
+    let hook = h("INPUT", &["-j dph-a"])[0].clone();
+    let hash = h("dph-a", &["-j DROP"])[0].clone();
+    // Someone deletes our rule in dph-a.
+    let tampered = format!(
+        "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:dph-a - [0:0]\n\
+         -A INPUT -m comment --comment \"dph:{hook}\" -j dph-a\nCOMMIT\n"
+    );
+    rec.0.lock().unwrap().save = tampered;
+    t.request_resync(Refresh::Iptables);
+    let out = t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        out.reschedule_after,
+        Some(CHECK_POLL),
+        "the read is in flight"
+    );
+    assert_eq!(inputs(&rec), 1, "nothing written while it runs");
+    wait_read(&t);
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(rec.0.lock().unwrap().saves, 2);
+    assert_eq!(inputs(&rec), 2, "the deleted rule is put back");
+    assert!(last(&rec).contains(&format!(
+        "-A dph-a -m comment --comment \"dph:{hash}\" -j DROP"
+    )));
+
+    // A read that a write overtakes is dropped, not diffed against.
+    rec.0.lock().unwrap().save = EMPTY.to_string();
+    t.request_resync(Refresh::Iptables);
+    t.apply(Phase::Tables).unwrap();
+    t.set_chain("dph-a", vec![r("-j ACCEPT")]).unwrap();
+    t.apply(Phase::Tables).unwrap(); // the write
+    let writes = inputs(&rec);
+    wait_read(&t);
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        inputs(&rec),
+        writes,
+        "the stale read (an empty table) was not acted on"
+    );
+    assert!(!written.is_empty());
 }
