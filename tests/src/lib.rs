@@ -339,3 +339,20 @@ pub async fn send_only(
     }
     bail!("the stream ended before Received")
 }
+
+/// Peak RSS (VmHWM, KiB) and CPU seconds (user + system) of a process.
+pub fn usage(pid: u32) -> Result<(u64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let hwm = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmHWM in /proc/<pid>/status")?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may contain spaces) start at 3.
+    let rest = stat.rsplit_once(')').context("/proc/<pid>/stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    // USER_HZ is 100 on every Linux architecture we run on.
+    Ok((hwm, ticks as f64 / 100.0))
+}

@@ -34,7 +34,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
 use dphandler_proto::v1::to_dataplane_reply::Kind;
-use dphandler_tests::{Daemon, Netns};
+use dphandler_tests::{Daemon, Netns, usage};
 use futures::channel::mpsc;
 
 #[derive(Parser, Debug)]
@@ -195,22 +195,6 @@ fn cold_start(a: &Args) -> Vec<Payload> {
     }
     out.push(Payload::InSync(felix::InSync {}));
     out
-}
-
-/// Peak RSS (VmHWM, KiB) and CPU seconds (user + system) of a process.
-fn usage(pid: u32) -> Result<(u64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let hwm = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("VmHWM in /proc/<pid>/status")?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat.rsplit_once(')').context("/proc/<pid>/stat")?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
-    // USER_HZ is 100 on every Linux architecture we run on.
-    Ok((hwm, ticks as f64 / 100.0))
 }
 
 /// One feeder stream: messages go in with increasing sequence numbers;

@@ -16,11 +16,11 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
 use dphandler_proto::v1::{self, to_dataplane_reply::Kind};
-use dphandler_tests::{Daemon, Netns};
+use dphandler_tests::{Daemon, Netns, usage};
 
 #[derive(Parser, Debug)]
 #[command(about = "Messages/s through gRPC into the sync loop, with no kernel work")]
@@ -166,23 +166,6 @@ fn messages(n: usize) -> Vec<felix::ToDataplane> {
     }
     push(Payload::InSync(felix::InSync {}));
     out
-}
-
-/// Peak RSS (VmHWM, KiB) and CPU seconds (user + system) of a process.
-fn usage(pid: u32) -> Result<(u64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let hwm = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("VmHWM in /proc/<pid>/status")?;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name (which may contain spaces) start at 3.
-    let rest = stat.rsplit_once(')').context("/proc/<pid>/stat")?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
-    // USER_HZ is 100 on every Linux architecture we run on.
-    Ok((hwm, ticks as f64 / 100.0))
 }
 
 struct Run {

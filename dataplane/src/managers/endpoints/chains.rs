@@ -57,6 +57,18 @@ pub(super) fn policy_table(p: &crate::model::Policy) -> &'static str {
     }
 }
 
+/// `-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT`.
+fn established() -> Result<Rule, ManagerError> {
+    rule(&[
+        "-m",
+        "conntrack",
+        "--ctstate",
+        "RELATED,ESTABLISHED",
+        "-j",
+        "ACCEPT",
+    ])
+}
+
 /// `-p P -m multiport --<flag> a,b,… -j ACCEPT` per protocol (15 per rule).
 fn port_accepts(ports: &[(String, u16)], flag: &str) -> Result<Vec<Rule>, ManagerError> {
     let mut by_proto: BTreeMap<&str, Vec<String>> = BTreeMap::new();
@@ -205,14 +217,7 @@ impl EndpointsManager {
         let m = self.cfg.marks;
         let mut out = Vec::new();
         if kind != Kind::Untracked {
-            out.push(rule(&[
-                "-m",
-                "conntrack",
-                "--ctstate",
-                "RELATED,ESTABLISHED",
-                "-j",
-                "ACCEPT",
-            ])?);
+            out.push(established()?);
             out.push(rule(&[
                 "-m",
                 "conntrack",
@@ -584,14 +589,7 @@ impl EndpointsManager {
         chains.insert(
             self.p("PREROUTING"),
             vec![
-                rule(&[
-                    "-m",
-                    "conntrack",
-                    "--ctstate",
-                    "RELATED,ESTABLISHED",
-                    "-j",
-                    "ACCEPT",
-                ])?,
+                established()?,
                 // Accepted by untracked policy in raw.
                 on_mark(&[], &mark(m.accept), "ACCEPT")?,
                 rule(&["-i", &wl, "-j", "RETURN"])?,
