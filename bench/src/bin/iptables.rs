@@ -33,6 +33,21 @@ struct Args {
     /// nft, legacy, or both.
     #[arg(long, env = "DPH_BENCH_FLAVOR", default_value = "both")]
     flavor: String,
+    /// Only time our own CPU (hash, render, diff; no kernel), this many
+    /// times: for profiling and A/B runs.
+    #[arg(long, env = "DPH_BENCH_CPU_ONLY")]
+    cpu_only: Option<usize>,
+}
+
+/// One timing of our CPU alone: hand the state to a table over an empty
+/// kernel and apply it.
+fn cpu_once(built: &[(String, Vec<Rule>)]) -> Result<Duration> {
+    let mut null = new_table(Box::new(Null));
+    let copy = built.to_vec();
+    let start = Instant::now();
+    install(&mut null, copy)?;
+    null.apply(Phase::Tables)?;
+    Ok(start.elapsed())
 }
 
 fn rule_text(i: usize) -> String {
@@ -198,6 +213,22 @@ fn new_table(exec: Box<dyn IptablesExec>) -> Table {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let Some(n) = args.cpu_only {
+        let built = build(args.rules)?;
+        let mut v = (0..n.max(1))
+            .map(|_| cpu_once(&built))
+            .collect::<Result<Vec<_>>>()?;
+        v.sort();
+        println!(
+            "our CPU: hash + render + diff {} rules, {} runs: min {:.1} / median {:.1} / max {:.1} ms",
+            args.rules,
+            v.len(),
+            ms(v[0]),
+            ms(v[v.len() / 2]),
+            ms(v[v.len() - 1])
+        );
+        return Ok(());
+    }
     if !nix::unistd::Uid::effective().is_root() {
         bail!("run as root: the benchmark makes a network namespace of its own");
     }
@@ -269,12 +300,10 @@ fn main() -> Result<()> {
             t.apply(Phase::Tables)?;
             ours_rw.push(start.elapsed());
 
+            cpu.push(cpu_once(&built)?);
             let mut null = new_table(Box::new(Null));
-            let copy = built.clone();
-            let start = Instant::now();
-            install(&mut null, copy)?;
+            install(&mut null, built.clone())?;
             null.apply(Phase::Tables)?;
-            cpu.push(start.elapsed());
             let new: Vec<Rule> = (0..10)
                 .map(|j| Rule::parse(&format!("-s 192.0.2.{}/32 -j ACCEPT", j + 1 + rep)))
                 .collect::<Result<_, _>>()?;

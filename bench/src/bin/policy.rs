@@ -64,6 +64,10 @@ struct Args {
     /// re-read must be over).
     #[arg(long, env = "DPH_BENCH_SETTLE_SECONDS", default_value_t = 12)]
     settle_seconds: u64,
+    /// Also write what was programmed (`ipset save`, `iptables-save -t
+    /// filter`) into this directory, to study the raw tools by hand.
+    #[arg(long, env = "DPH_BENCH_DUMP_DIR")]
+    dump_dir: Option<std::path::PathBuf>,
 }
 
 const NAMESPACES: usize = 50;
@@ -334,6 +338,11 @@ async fn main() -> Result<()> {
         .lines()
         .filter(|l| l.starts_with("add "))
         .count();
+    if let Some(d) = &a.dump_dir {
+        std::fs::create_dir_all(d)?;
+        std::fs::write(d.join("ipset.save"), &sets)?;
+        std::fs::write(d.join("filter.save"), &filter)?;
+    }
     let raw_ns = Netns::new("benchraw")?;
     let raw_sets = timed(&raw_ns, "ipset", &["restore"], &sets)?;
     let raw_filter = timed(&raw_ns, "iptables-restore", &["--wait"], &filter)?;

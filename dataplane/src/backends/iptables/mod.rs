@@ -77,11 +77,16 @@ fn check_chain(name: &str) -> Result<(), RuleError> {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Rule {
     text: String,
+    /// Where in `text` the jump or goto target is (found while the tokens
+    /// are checked: finding it later meant scanning 50,000 rules again).
+    target: Option<std::ops::Range<usize>>,
 }
 
 impl Rule {
     pub fn new<'a>(tokens: impl IntoIterator<Item = &'a str>) -> Result<Self, RuleError> {
         let mut text = String::new();
+        let mut target = None;
+        let mut after_jump = false;
         for t in tokens {
             let ok = !t.is_empty()
                 && t.bytes()
@@ -92,12 +97,16 @@ impl Rule {
             if !text.is_empty() {
                 text.push(' ');
             }
+            if after_jump && target.is_none() {
+                target = Some(text.len()..text.len() + t.len());
+            }
+            after_jump = matches!(t, "-j" | "-g" | "--jump" | "--goto");
             text.push_str(t);
         }
         if text.is_empty() {
             return Err(RuleError::Empty);
         }
-        Ok(Self { text })
+        Ok(Self { text, target })
     }
 
     /// Parses a space-separated rule (every token checked as in [`new`](Self::new)).
@@ -111,19 +120,52 @@ impl Rule {
 
     /// The chain this rule jumps or goes to, if any.
     pub fn target(&self) -> Option<&str> {
-        let mut w = self.text.split(' ');
-        while let Some(t) = w.next() {
-            if matches!(t, "-j" | "-g" | "--jump" | "--goto") {
-                return w.next();
-            }
+        self.target.clone().map(|r| &self.text[r])
+    }
+}
+
+/// A rule's hash as its comment carries it: 16 base64url characters,
+/// inline (50,000 rules are 50,000 of these: no allocation each).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RuleHash([u8; 16]);
+
+impl RuleHash {
+    /// What a comment with our prefix but not a hash of ours reads as (a
+    /// comment edited by hand): the rule is ours, and wrong.
+    pub const DAMAGED: Self = Self([b'?'; 16]);
+
+    /// The hash in a comment read back (after our prefix).
+    pub fn parse(s: &str) -> Self {
+        let ok = s.len() == 16
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        match <[u8; 16]>::try_from(s.as_bytes()) {
+            Ok(b) if ok => Self(b),
+            _ => Self::DAMAGED,
         }
-        None
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only base64url characters or DAMAGED's '?' are ever stored.
+        std::str::from_utf8(&self.0).unwrap_or("????????????????")
+    }
+}
+
+impl std::fmt::Display for RuleHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for RuleHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
     }
 }
 
 /// The hashes of a chain's rules, chained over its name (Felix's
 /// `RuleHashes`): each depends on the chain and every rule up to it.
-pub fn rule_hashes(chain: &str, rules: &[Rule]) -> Vec<String> {
+pub fn rule_hashes(chain: &str, rules: &[Rule]) -> Vec<RuleHash> {
     let mut h = sha2::Sha224::new();
     h.update(chain.as_bytes());
     rules
@@ -131,9 +173,14 @@ pub fn rule_hashes(chain: &str, rules: &[Rule]) -> Vec<String> {
         .map(|r| {
             h.update(r.text.as_bytes());
             let sum = h.clone().finalize();
-            let mut s = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sum);
-            s.truncate(16);
-            s
+            // The first 16 characters of the base64 of the digest are the
+            // base64 of its first 12 bytes (3 bytes to 4 characters).
+            let mut out = [0u8; 16];
+            let n = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .encode_slice(&sum[..12], &mut out)
+                .expect("12 bytes encode to 16 characters");
+            debug_assert_eq!(n, 16);
+            RuleHash(out)
         })
         .collect()
 }
@@ -190,9 +237,13 @@ struct BackgroundRead {
 /// A chain as read back.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ObservedChain {
-    /// Per rule, in order: our hash (if the rule carries our comment) and
-    /// the rule's spec as `iptables-save` printed it (after `-A <chain>`).
-    pub rules: Vec<(Option<String>, String)>,
+    /// Per rule, in order: our hash (if the rule carries our comment) and,
+    /// in the built-in chains, the rule's spec as `iptables-save` printed
+    /// it (after `-A <chain>`; we delete our hooks there by spec). Empty
+    /// elsewhere: rules in our chains are addressed by position, foreign
+    /// chains are never touched, and at 300,000 rules the specs would be
+    /// tens of megabytes.
+    pub rules: Vec<(Option<RuleHash>, String)>,
 }
 
 /// Naming of what a table owns.
@@ -220,6 +271,10 @@ fn is_builtin(chain: &str) -> bool {
     BUILTINS.contains(&chain)
 }
 
+/// What a rule line adds to the rule's text and chain name:
+/// `-A <chain> -m comment --comment "<prefix>:<16>" <text>\n`.
+const LINE_OVERHEAD: usize = 48;
+
 /// One chain's share of a restore: its declaration and its lines.
 #[derive(Debug)]
 struct Part {
@@ -242,8 +297,11 @@ struct Script {
 #[derive(Debug, Clone, PartialEq)]
 struct DesiredChain {
     rules: Vec<Rule>,
-    hashes: Vec<String>,
+    hashes: Vec<RuleHash>,
+    /// The chains of ours its rules jump or go to.
     targets: Vec<String>,
+    /// About what writing the chain whole takes in a restore.
+    bytes: usize,
 }
 
 /// One table of one IP version.
@@ -321,10 +379,16 @@ impl Table {
         }
         if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
             let chain = DesiredChain {
+                bytes: rules
+                    .iter()
+                    .map(|r| r.text.len() + LINE_OVERHEAD + name.len())
+                    .sum(),
                 hashes: rule_hashes(name, &rules),
                 targets: rules
                     .iter()
-                    .filter_map(|r| r.target().map(str::to_string))
+                    .filter_map(Rule::target)
+                    .filter(|t| t.starts_with(&self.own.chain_prefix))
+                    .map(str::to_string)
                     .collect(),
                 rules,
             };
@@ -430,7 +494,7 @@ impl Table {
         verb: &str,
         chain: &str,
         pos: Option<usize>,
-        hash: &str,
+        hash: &RuleHash,
         rule: &Rule,
     ) {
         out.push_str(verb);
@@ -441,7 +505,7 @@ impl Table {
         }
         out.push_str(" -m comment --comment \"");
         out.push_str(&self.own.comment_prefix);
-        out.push_str(hash);
+        out.push_str(hash.as_str());
         out.push_str("\" ");
         out.push_str(&rule.text);
         out.push('\n');
@@ -458,10 +522,11 @@ impl Table {
     ) {
         let fresh = !observed.contains_key(name);
         let chain = &self.chains[name];
-        let old = observed.entry(name.to_string()).or_default();
         if fresh {
+            observed.insert(name.to_string(), ObservedChain::default());
             let _ = writeln!(*decl, ":{name} - [0:0]");
         }
+        let old = observed.get_mut(name).expect("inserted above");
         let edits = chain
             .hashes
             .iter()
@@ -469,7 +534,7 @@ impl Table {
             .filter(|(i, h)| {
                 old.rules
                     .get(*i)
-                    .is_some_and(|(o, _)| o.as_deref() != Some(h.as_str()))
+                    .is_some_and(|(o, _)| o.as_ref() != Some(h))
             })
             .count()
             + old.rules.len().saturating_sub(chain.rules.len());
@@ -497,11 +562,9 @@ impl Table {
         }
         // The spec of a rule in our own chains is never needed (we
         // address them by position): keep only the hash.
-        old.rules = chain
-            .hashes
-            .iter()
-            .map(|h| (Some(h.clone()), String::new()))
-            .collect();
+        old.rules.clear();
+        old.rules
+            .extend(chain.hashes.iter().map(|h| (Some(*h), String::new())));
     }
 
     /// The restore input that brings `observed` to the desired state;
@@ -514,6 +577,15 @@ impl Table {
     /// deletions in the last one.
     fn render(&self, observed: &mut BTreeMap<String, ObservedChain>) -> Vec<String> {
         let mut script = Script::default();
+        if observed.len() < self.chains.len() / 2 {
+            // Mostly a fresh load (megabytes at 50,000 rules): one
+            // allocation instead of a string doubling its way up, and room
+            // for the body behind the declarations (see `transactions`).
+            let body: usize = self.chains.values().map(|c| c.bytes).sum();
+            let decl = self.chains.keys().map(|n| n.len() + 10).sum::<usize>() + 64;
+            script.decl.reserve(decl + body);
+            script.body.reserve(body);
+        }
         let mut part = |name: &str, observed: &mut BTreeMap<String, ObservedChain>| {
             let (d0, b0) = (script.decl.len(), script.body.len());
             self.render_chain(name, observed, &mut script.decl, &mut script.body);
@@ -570,7 +642,7 @@ impl Table {
             let want = self.hooks.get(b).cloned().unwrap_or_default();
             let hashes = rule_hashes(b, &want);
             let old = observed.get(b).cloned().unwrap_or_default();
-            let ours: Vec<&(Option<String>, String)> =
+            let ours: Vec<&(Option<RuleHash>, String)> =
                 old.rules.iter().filter(|r| r.0.is_some()).collect();
             let positions_ok = match self.mode {
                 InsertMode::Insert => old.rules.iter().take(want.len()).all(|r| r.0.is_some()),
@@ -585,7 +657,7 @@ impl Table {
                 && ours
                     .iter()
                     .zip(&hashes)
-                    .all(|(o, h)| o.0.as_deref() == Some(h));
+                    .all(|(o, h)| o.0.as_ref() == Some(h));
             if in_order && positions_ok {
                 continue;
             }
@@ -595,12 +667,12 @@ impl Table {
                 let _ = writeln!(body, "-D {b} {spec}");
             }
             let foreign = old.rules.iter().filter(|r| r.0.is_none()).cloned();
-            let mine: Vec<(Option<String>, String)> = hashes
+            let mine: Vec<(Option<RuleHash>, String)> = hashes
                 .iter()
                 .zip(&want)
                 .map(|(h, r)| {
                     (
-                        Some(h.clone()),
+                        Some(*h),
                         format!(
                             "-m comment --comment \"{}{h}\" {}",
                             self.own.comment_prefix, r.text
@@ -650,14 +722,23 @@ impl Table {
         }
         let per = self.exec.chains_per_restore().unwrap_or(usize::MAX).max(1);
         if parts.len() <= per {
-            // One transaction: the buffers are already in order.
-            return vec![format!("*{}\n{decl}{body}{tail}COMMIT\n", self.table)];
+            // One transaction: the buffers are already in order. The
+            // header goes in front of the (small) declarations, the body
+            // behind them, into the room reserved for it.
+            let mut out = decl;
+            out.insert_str(0, &format!("*{}\n", self.table));
+            out.push_str(&body);
+            out.push_str(&tail);
+            out.push_str("COMMIT\n");
+            return vec![out];
         }
         let parts = self.dependency_order(parts);
         let mut out: Vec<String> = Vec::new();
         let mut chunks = parts.chunks(per).peekable();
         while let Some(chunk) = chunks.next() {
-            let mut t = format!("*{}\n", self.table);
+            let size: usize = chunk.iter().map(|p| p.decl.len() + p.body.len()).sum();
+            let mut t = String::with_capacity(size + tail.len() + 32);
+            let _ = writeln!(t, "*{}", self.table);
             for p in chunk {
                 t.push_str(&decl[p.decl.clone()]);
             }

@@ -1,21 +1,22 @@
 //! Reading `iptables-save -t <table>`: every chain (`:NAME POLICY [p:b]`)
 //! and rule (`-A NAME spec`), and for each rule our hash when it carries a
 //! `--comment "<prefix><hash>"` (quoted or not: iptables-nft and -legacy
-//! print it differently).
+//! print it differently). Rule specs are kept for the built-in chains only
+//! (see [`ObservedChain`]).
 
 use std::collections::BTreeMap;
 
-use super::ObservedChain;
+use super::{ObservedChain, RuleHash, is_builtin};
 
-fn our_hash(spec: &str, comment_prefix: &str) -> Option<String> {
-    let mut w = spec.split_whitespace();
-    while let Some(t) = w.next() {
-        if t == "--comment" {
-            let c = w.next()?.trim_matches('"');
-            return c.strip_prefix(comment_prefix).map(str::to_string);
-        }
-    }
-    None
+fn our_hash(spec: &str, comment_prefix: &str) -> Option<RuleHash> {
+    // Our comment is the rule's first match; `find` is much cheaper than
+    // splitting 300,000 rules into words.
+    let at = spec.find("--comment ")?;
+    let c = spec[at + "--comment ".len()..]
+        .split(' ')
+        .next()?
+        .trim_matches('"');
+    c.strip_prefix(comment_prefix).map(RuleHash::parse)
 }
 
 /// The chains of the (one) table in `text`.
@@ -28,11 +29,22 @@ pub fn parse(text: &str, comment_prefix: &str) -> BTreeMap<String, ObservedChain
             }
         } else if let Some(rest) = line.strip_prefix("-A ") {
             let (chain, spec) = rest.split_once(' ').unwrap_or((rest, ""));
-            chains
-                .entry(chain.to_string())
-                .or_default()
-                .rules
-                .push((our_hash(spec, comment_prefix), spec.to_string()));
+            let keep = if is_builtin(chain) {
+                spec.to_string()
+            } else {
+                String::new()
+            };
+            let rule = (our_hash(spec, comment_prefix), keep);
+            match chains.get_mut(chain) {
+                Some(c) => c.rules.push(rule),
+                None => {
+                    chains
+                        .entry(chain.to_string())
+                        .or_default()
+                        .rules
+                        .push(rule);
+                }
+            }
         }
     }
     chains
@@ -60,12 +72,26 @@ COMMIT\n";
         assert_eq!(c.len(), 4);
         let input = &c["INPUT"].rules;
         assert_eq!(input.len(), 4);
-        assert_eq!(input[0].0.as_deref(), Some("AAAAAAAAAAAAAAAA"));
+        assert_eq!(
+            input[0].0.as_ref().map(RuleHash::as_str),
+            Some("AAAAAAAAAAAAAAAA")
+        );
         assert_eq!(input[1].0, None);
         assert_eq!(input[1].1, "-s 10.0.0.1/32 -j ACCEPT");
-        assert_eq!(input[2].0.as_deref(), Some("BBBBBBBBBBBBBBBB"));
+        assert_eq!(
+            input[2].0.as_ref().map(RuleHash::as_str),
+            Some("BBBBBBBBBBBBBBBB")
+        );
         assert_eq!(input[3].0, None);
         assert!(c["KUBE-X"].rules.is_empty());
-        assert_eq!(c["dph-x"].rules, vec![(None, "-j RETURN".to_string())]);
+        // A comment with our prefix that is no hash of ours (edited by
+        // hand) still marks the rule as ours, and as wrong.
+        let c2 = parse(
+            "*filter\n-A INPUT -m comment --comment \"dph:edited\" -j ACCEPT\nCOMMIT\n",
+            "dph:",
+        );
+        assert_eq!(c2["INPUT"].rules[0].0, Some(RuleHash::DAMAGED));
+        // Outside the built-in chains only the hashes are kept.
+        assert_eq!(c["dph-x"].rules, vec![(None, String::new())]);
     }
 }

@@ -77,7 +77,7 @@ fn inputs(rec: &Recording) -> usize {
 const EMPTY: &str =
     "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n";
 
-fn h(chain: &str, rules: &[&str]) -> Vec<String> {
+fn h(chain: &str, rules: &[&str]) -> Vec<RuleHash> {
     rule_hashes(chain, &rules.iter().map(|s| r(s)).collect::<Vec<_>>())
 }
 
@@ -85,7 +85,11 @@ fn h(chain: &str, rules: &[&str]) -> Vec<String> {
 fn hashes_are_chained_over_the_chain_and_earlier_rules() {
     let a = h("dph-x", &["-j ACCEPT", "-j DROP"]);
     assert_eq!(a.len(), 2);
-    assert!(a.iter().all(|x| x.len() == 16));
+    assert!(a.iter().all(|x| x.as_str().len() == 16));
+    // The first 16 characters of base64url(sha224(chain, rule, ...)), as
+    // computed independently (Python's hashlib and base64).
+    assert_eq!(a[0].as_str(), "JQ4PRWrgqaodmCl7");
+    assert_eq!(a[1].as_str(), "EiYc9bw98__CPnrm");
     assert_eq!(a, h("dph-x", &["-j ACCEPT", "-j DROP"]), "deterministic");
     assert_ne!(a[0], h("dph-y", &["-j ACCEPT"])[0], "depends on the chain");
     assert_ne!(
@@ -93,6 +97,19 @@ fn hashes_are_chained_over_the_chain_and_earlier_rules() {
         h("dph-x", &["-j RETURN", "-j DROP"])[1],
         "depends on earlier rules"
     );
+}
+
+#[test]
+fn a_rules_target_is_the_token_after_its_jump() {
+    assert_eq!(
+        r("-m set --match-set s src -j dph-x").target(),
+        Some("dph-x")
+    );
+    assert_eq!(r("-i cali1 -g dph-tw-cali1").target(), Some("dph-tw-cali1"));
+    assert_eq!(r("--jump ACCEPT").target(), Some("ACCEPT"));
+    assert_eq!(r("-j MARK --set-xmark 0x1/0x1").target(), Some("MARK"));
+    assert_eq!(r("-s 10.0.0.1/32").target(), None);
+    assert_eq!(r("-p tcp -j").target(), None);
 }
 
 #[test]
