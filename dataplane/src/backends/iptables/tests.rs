@@ -418,8 +418,8 @@ fn check_reads_run_in_the_background_and_stale_ones_are_dropped() {
         "the first read is in the apply"
     );
     let written = last(&rec);
-    let hook = h("INPUT", &["-j dph-a"])[0].clone();
-    let hash = h("dph-a", &["-j DROP"])[0].clone();
+    let hook = h("INPUT", &["-j dph-a"])[0];
+    let hash = h("dph-a", &["-j DROP"])[0];
     // Someone deletes our rule in dph-a.
     let tampered = format!(
         "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:dph-a - [0:0]\n\
