@@ -308,13 +308,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // yet (policy rendering fills them); they are read, never written
         // while empty.
         for table in ["raw", "mangle", "nat", "filter"] {
-            kernel.tables.push(Table::new(
+            let mut t = Table::new(
                 table,
                 v,
                 Ownership::new(&args.prefix),
                 args.chain_insert_mode,
                 Box::new(IptablesTool::new(flavor, v, Vec::new())),
-            ));
+            );
+            // Read while the calc graph sends its snapshot (seconds at
+            // 300,000 rules), not in the first apply.
+            if !args.dry_run {
+                t.prefetch();
+            }
+            kernel.tables.push(t);
         }
     }
     if matches!(args.route_protocol, 0..=4) {

@@ -20,8 +20,10 @@
 //! changed by hand is put back. Those check-reads run on a thread of their
 //! own while applies go on (at 300,000 rules `iptables-save` takes
 //! seconds); a read that a write overtook is dropped and taken again
-//! later. The first read, and the read after a failed write, are done in
-//! the apply itself.
+//! later. The first read can start when the daemon does
+//! ([`Table::prefetch`]), while the calc graph is still sending its
+//! snapshot (nothing is applied before it is in sync); the read after a
+//! failed write is done in the apply itself.
 
 pub mod restore;
 pub mod save;
@@ -331,7 +333,8 @@ pub struct Table {
     /// A check-read running beside the applies (at 300,000 rules
     /// iptables-save takes seconds; the loop does not wait for it).
     background: Option<BackgroundRead>,
-    /// Successful writes so far: a background read that saw fewer is stale.
+    /// Writes attempted so far (failed ones too: what they left is
+    /// unknown): a background read that began before the last one is stale.
     writes: u64,
 }
 
@@ -787,6 +790,23 @@ impl Table {
         out
     }
 
+    /// Starts the first read of the table in the background, where the
+    /// tool allows: at 300,000 rules `iptables-save` takes seconds, which
+    /// the daemon can spend receiving the calc graph's snapshot instead of
+    /// in its first apply. Only before anything was read or written.
+    pub fn prefetch(&mut self) {
+        if self.observed.is_none()
+            && self.background.is_none()
+            && self.writes == 0
+            && let Some(save) = self.exec.detached_save(self.table)
+        {
+            self.background = Some(BackgroundRead {
+                handle: std::thread::spawn(save),
+                writes: self.writes,
+            });
+        }
+    }
+
     /// Starts the check-read, in the background where the tool allows it
     /// (else it happens now, in this apply).
     fn start_check(&mut self) {
@@ -821,7 +841,7 @@ impl Table {
             backend: "iptables",
             reason: "the table read panicked".into(),
         })??;
-        if b.writes == self.writes && self.observed.is_some() {
+        if b.writes == self.writes {
             self.observed = Some(save::parse(&text, &self.own.comment_prefix));
             self.full_diff = true;
         } else {
@@ -836,6 +856,20 @@ impl Table {
         self.collect_check()?;
         if self.recheck_at.is_some_and(|t| Instant::now() >= t) {
             self.start_check();
+        }
+        if self.observed.is_none()
+            && let Some(b) = self.background.take()
+            && b.writes == self.writes
+        {
+            // A read no write has overtaken (the first one, started with
+            // the daemon): wait for it rather than read again. A stale one
+            // is let go (its thread ends on its own).
+            let text = b.handle.join().map_err(|_| BackendError::Parse {
+                backend: "iptables",
+                reason: "the table read panicked".into(),
+            })??;
+            self.observed = Some(save::parse(&text, &self.own.comment_prefix));
+            self.full_diff = true;
         }
         if self.observed.is_none() {
             self.read()?;
@@ -858,10 +892,10 @@ impl Table {
         // On failure `observed` is dropped: we no longer know what the
         // table holds (earlier transactions may have landed), and read it
         // again next time.
+        self.writes += 1;
         for input in &inputs {
             self.exec.restore(input)?;
         }
-        self.writes += 1;
         self.observed = Some(observed);
         self.done();
         self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);

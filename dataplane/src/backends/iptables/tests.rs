@@ -458,3 +458,31 @@ fn check_reads_run_in_the_background_and_stale_ones_are_dropped() {
     );
     assert!(!written.is_empty());
 }
+
+#[test]
+fn the_first_read_can_start_before_the_first_apply() {
+    let (mut t, rec) = table(
+        &saved_with(&[("dph-a", &["-j DROP"])], &["-j dph-a"], false),
+        InsertMode::Insert,
+    );
+    rec.0.lock().unwrap().detached = true;
+    t.prefetch();
+    t.prefetch(); // once only
+    t.set_chain("dph-a", vec![r("-j DROP")]).unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-a")]).unwrap();
+    // Whether or not the read has finished, the apply uses it.
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(
+        rec.0.lock().unwrap().saves,
+        1,
+        "read once, before the apply"
+    );
+    assert_eq!(
+        inputs(&rec),
+        0,
+        "what was there is adopted: nothing written"
+    );
+    // Once the table has been read or written, prefetch does nothing.
+    t.prefetch();
+    assert_eq!(rec.0.lock().unwrap().saves, 1);
+}
