@@ -299,11 +299,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         if v == IpVersion::V6 && !args.ipv6 {
             continue;
         }
-        kernel.ipsets.push(IpSets::new(
-            v,
-            names.clone(),
-            Box::new(IpsetTool::default()),
-        ));
+        let mut sets = IpSets::new(v, names.clone(), Box::new(IpsetTool::default()));
+        if !args.dry_run {
+            sets.prefetch();
+        }
+        kernel.ipsets.push(sets);
         // One object per table: raw, mangle and nat hold nothing of ours
         // yet (policy rendering fills them); they are read, never written
         // while empty.

@@ -68,6 +68,9 @@ struct Args {
     /// filter`) into this directory, to study the raw tools by hand.
     #[arg(long, env = "DPH_BENCH_DUMP_DIR")]
     dump_dir: Option<std::path::PathBuf>,
+    /// The server's log filter (its log goes to this program's stderr).
+    #[arg(long, env = "DPH_BENCH_SERVER_LOG", default_value = "warn")]
+    server_log: String,
 }
 
 const NAMESPACES: usize = 50;
@@ -299,7 +302,7 @@ async fn main() -> Result<()> {
     let daemon = Daemon::start(
         &ns,
         &dir.path().join("dp.sock"),
-        &["--log", "warn", "--ipv6", "false"],
+        &["--log", &a.server_log, "--ipv6", "false"],
     )?;
     let mut client = daemon.connect().await?;
     let (tx, rx) = mpsc::unbounded();
@@ -377,6 +380,12 @@ async fn main() -> Result<()> {
         let seq = feed.send(policy(&a, p, 1 + i))?;
         let at = feed.until(seq, Duration::from_secs(60)).await?;
         ours_change.push((at - t0).as_secs_f64() * 1000.0);
+        eprintln!(
+            "policy change {}: ours {:.1} ms, raw {:.1} ms",
+            i + 1,
+            ours_change[i],
+            raw_change[i]
+        );
     }
     drop(raw_ns);
 

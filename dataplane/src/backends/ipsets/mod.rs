@@ -42,7 +42,15 @@ pub trait IpSetExec: Send + std::fmt::Debug {
     fn save(&mut self) -> Result<String, BackendError>;
     /// `ipset restore -exist` with `script` on stdin.
     fn restore(&mut self, script: &str) -> Result<(), BackendError>;
+    /// A `save` that can run on another thread (None: reads happen in
+    /// the apply).
+    fn detached_save(&self) -> Option<DetachedSave> {
+        None
+    }
 }
+
+/// An `ipset save` running on its own thread.
+pub type DetachedSave = Box<dyn FnOnce() -> Result<String, BackendError> + Send>;
 
 /// One of our sets as the kernel has it. `meta` is `None` for a set of a
 /// type we do not program (someone else made it under our name): it is
@@ -80,6 +88,8 @@ pub struct IpSets {
     /// a failure or a resync).
     needs_full: bool,
     temp_seq: u64,
+    /// The first read, started with the daemon ([`IpSets::prefetch`]).
+    first_read: Option<std::thread::JoinHandle<Result<String, BackendError>>>,
 }
 
 /// `hashsize` for `n` members: the next power of two above `n`, at least
@@ -121,6 +131,21 @@ impl IpSets {
             pending: BTreeMap::new(),
             needs_full: true,
             temp_seq: 0,
+            first_read: None,
+        }
+    }
+
+    /// Starts the first `ipset save` in the background, where the tool
+    /// allows: at 1,000,000 members it takes seconds, which the daemon can
+    /// spend receiving the calc graph's snapshot (nothing is applied before
+    /// it is in sync) instead of in its first apply. Nothing is written
+    /// before that read is taken, so it cannot go stale by our doing.
+    pub fn prefetch(&mut self) {
+        if self.observed.is_none()
+            && self.first_read.is_none()
+            && let Some(save) = self.exec.detached_save()
+        {
+            self.first_read = Some(std::thread::spawn(save));
         }
     }
 
@@ -202,7 +227,13 @@ impl IpSets {
     }
 
     fn read(&mut self) -> Result<(), BackendError> {
-        let text = self.exec.save()?;
+        let text = match self.first_read.take() {
+            Some(h) => h.join().map_err(|_| BackendError::Parse {
+                backend: self.name(),
+                reason: "the IP set read panicked".into(),
+            })??,
+            None => self.exec.save()?,
+        };
         let version = self.version;
         let names = &self.names;
         let sets = save::parse(&text, |name| names.owns(version, name)).map_err(|e| {

@@ -77,4 +77,9 @@ impl IpSetExec for IpsetTool {
         }
         Ok(())
     }
+
+    fn detached_save(&self) -> Option<super::DetachedSave> {
+        let mut me = self.clone();
+        Some(Box::new(move || me.save()))
+    }
 }

@@ -35,6 +35,10 @@ impl IpSetExec for Recording {
         }
         Ok(())
     }
+    fn detached_save(&self) -> Option<DetachedSave> {
+        let mut me = self.clone();
+        Some(Box::new(move || me.save()))
+    }
 }
 
 fn sets(save: &str) -> (IpSets, Recording) {
@@ -297,4 +301,39 @@ fn a_refresh_rereads_and_repairs() {
     apply_all(&mut b);
     assert_eq!(last_script(&rec), "add dph40a 10.0.0.2\n");
     let _ = Id::new("unused").unwrap();
+}
+
+#[test]
+fn the_first_read_can_start_before_the_first_apply() {
+    let (mut b, rec) =
+        sets("create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n");
+    b.prefetch();
+    b.prefetch(); // once only
+    b.start_full();
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
+    apply_all(&mut b);
+    assert_eq!(
+        rec.0.lock().unwrap().saves,
+        1,
+        "read once, before the apply"
+    );
+    assert_eq!(
+        last_script(&rec),
+        "add dph40a 10.0.0.2\n",
+        "diffed against what the early read saw"
+    );
+    // A refresh reads again, in the apply.
+    b.request_resync(Refresh::IpSets);
+    b.start_full();
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
+    apply_all(&mut b);
+    assert_eq!(rec.0.lock().unwrap().saves, 2);
 }

@@ -816,6 +816,7 @@ impl Table {
         }
         match self.exec.detached_save(self.table) {
             Some(save) => {
+                debug!(table = self.table, "check-read started");
                 self.background = Some(BackgroundRead {
                     handle: std::thread::spawn(save),
                     writes: self.writes,
@@ -842,9 +843,20 @@ impl Table {
             reason: "the table read panicked".into(),
         })??;
         if b.writes == self.writes {
+            let t0 = Instant::now();
             self.observed = Some(save::parse(&text, &self.own.comment_prefix));
             self.full_diff = true;
+            debug!(
+                table = self.table,
+                bytes = text.len(),
+                parse_ms = t0.elapsed().as_secs_f64() * 1e3,
+                "check-read adopted"
+            );
         } else {
+            debug!(
+                table = self.table,
+                "check-read overtaken by a write: dropped"
+            );
             self.recheck_at = Some(Instant::now() + POST_WRITE_CHECK);
         }
         Ok(())
@@ -875,7 +887,9 @@ impl Table {
             self.read()?;
         }
         let mut observed = self.observed.take().expect("read above");
+        let t0 = Instant::now();
         let inputs = self.render(&mut observed);
+        let render_ms = t0.elapsed().as_secs_f64() * 1e3;
         if inputs.is_empty() {
             self.observed = Some(observed);
             self.done();
@@ -887,6 +901,7 @@ impl Table {
             table = self.table,
             transactions = inputs.len(),
             bytes = inputs.iter().map(String::len).sum::<usize>(),
+            render_ms,
             "iptables-restore"
         );
         // On failure `observed` is dropped: we no longer know what the
