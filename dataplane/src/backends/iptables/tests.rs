@@ -486,3 +486,53 @@ fn the_first_read_can_start_before_the_first_apply() {
     t.prefetch();
     assert_eq!(rec.0.lock().unwrap().saves, 1);
 }
+
+#[test]
+fn a_check_read_that_finds_what_we_wrote_changes_nothing_and_a_lost_hook_is_put_back() {
+    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    rec.0.lock().unwrap().detached = true;
+    t.set_chain("dph-a", vec![r("-p tcp --dport 80 -j DROP")])
+        .unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-a")]).unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(inputs(&rec), 1);
+    let hook = h("INPUT", &["-j dph-a"])[0];
+    let rule = h("dph-a", &["-p tcp --dport 80 -j DROP"])[0];
+    // What iptables-save prints: our rules in its own spelling (`-m tcp`),
+    // and a foreign rule someone added below ours.
+    let as_saved = format!(
+        "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:dph-a - [0:0]\n\
+         -A INPUT -m comment --comment \"dph:{hook}\" -j dph-a\n\
+         -A INPUT -s 10.9.9.9/32 -j ACCEPT\n\
+         -A dph-a -p tcp -m tcp --dport 80 -m comment --comment \"dph:{rule}\" -j DROP\nCOMMIT\n"
+    );
+    rec.0.lock().unwrap().save = as_saved;
+    t.request_resync(Refresh::Iptables);
+    t.apply(Phase::Tables).unwrap(); // starts the read
+    wait_read(&t);
+    t.apply(Phase::Tables).unwrap(); // takes it
+    assert_eq!(inputs(&rec), 1, "nothing of ours differs: nothing written");
+    assert!(!t.is_dirty(Phase::Tables));
+    assert_eq!(
+        t.observed().unwrap()["INPUT"].rules[1].1,
+        "-s 10.9.9.9/32 -j ACCEPT",
+        "the foreign rule is known now"
+    );
+
+    // Someone deletes our hook: the next check puts it back on top, and
+    // leaves the foreign rule alone.
+    rec.0.lock().unwrap().save = format!(
+        "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:dph-a - [0:0]\n\
+         -A INPUT -s 10.9.9.9/32 -j ACCEPT\n\
+         -A dph-a -p tcp -m tcp --dport 80 -m comment --comment \"dph:{rule}\" -j DROP\nCOMMIT\n"
+    );
+    t.request_resync(Refresh::Iptables);
+    t.apply(Phase::Tables).unwrap();
+    wait_read(&t);
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(inputs(&rec), 2);
+    assert_eq!(
+        last(&rec),
+        format!("*filter\n-I INPUT 1 -m comment --comment \"dph:{hook}\" -j dph-a\nCOMMIT\n")
+    );
+}
