@@ -60,9 +60,10 @@ struct Args {
     churn_rate: u32,
     #[arg(long, env = "DPH_BENCH_CHURN_SECONDS", default_value_t = 20)]
     churn_seconds: u32,
-    /// Quiet time before each timed policy change (the server's post-write
-    /// re-read must be over).
-    #[arg(long, env = "DPH_BENCH_SETTLE_SECONDS", default_value_t = 12)]
+    /// Quiet time before each timed policy change: the server's post-write
+    /// re-read (5 s after the write, then 5-10 s of `iptables-save` at this
+    /// size) must be over.
+    #[arg(long, env = "DPH_BENCH_SETTLE_SECONDS", default_value_t = 20)]
     settle_seconds: u64,
     /// Also write what was programmed (`ipset save`, `iptables-save -t
     /// filter`) into this directory, to study the raw tools by hand.
