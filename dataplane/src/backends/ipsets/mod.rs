@@ -90,7 +90,22 @@ pub struct IpSets {
     temp_seq: u64,
     /// The first read, started with the daemon ([`IpSets::prefetch`]).
     first_read: Option<std::thread::JoinHandle<Result<String, BackendError>>>,
+    /// A refresh read running beside the applies, and the write count when
+    /// it began.
+    check: Option<(
+        std::thread::JoinHandle<Result<Differences, BackendError>>,
+        u64,
+    )>,
+    /// Restores attempted so far, and per set the count at its last write:
+    /// what a refresh read says of a set written since it began is not
+    /// trusted.
+    writes: u64,
+    written_at: HashMap<String, u64>,
 }
+
+/// Our sets whose kernel state differs from what we believed when a
+/// refresh read began: as read, or None where the set is gone.
+type Differences = Vec<(String, Option<KernelSet>)>;
 
 /// `hashsize` for `n` members: the next power of two above `n`, at least
 /// 1024 (the kernel's default), so a big set is created at its size instead
@@ -132,7 +147,110 @@ impl IpSets {
             needs_full: true,
             temp_seq: 0,
             first_read: None,
+            check: None,
+            writes: 0,
+            written_at: HashMap::new(),
         }
+    }
+
+    /// The refresh: reads the kernel beside the applies where the tool
+    /// allows (at 1,000,000 members `ipset save` and its parse took seconds,
+    /// and re-sending the whole desired state more: an apply of 5 s every
+    /// 90 s), and compares it with what we believe on that thread. Without
+    /// a detached read, or without a belief, as before: read in the apply,
+    /// and the manager sends everything again.
+    fn start_check(&mut self) {
+        if self.check.is_some() {
+            return;
+        }
+        match (self.exec.detached_save(), &self.observed) {
+            (Some(save), Some(observed)) => {
+                debug!("IP-set refresh read started");
+                let belief = observed.clone();
+                let (names, version) = (self.names.clone(), self.version);
+                let handle = std::thread::spawn(move || {
+                    let text = save()?;
+                    let read = save::parse(&text, |n| names.owns(version, n)).map_err(|e| {
+                        BackendError::Parse {
+                            backend: "ipsets",
+                            reason: e,
+                        }
+                    })?;
+                    let mut out: Differences = belief
+                        .keys()
+                        .filter(|n| !read.contains_key(*n))
+                        .map(|n| (n.clone(), None))
+                        .collect();
+                    for (name, set) in read {
+                        if belief.get(&name) != Some(&set) {
+                            out.push((name, Some(set)));
+                        }
+                    }
+                    Ok(out)
+                });
+                self.check = Some((handle, self.writes));
+            }
+            _ => {
+                self.observed = None;
+                self.needs_full = true;
+            }
+        }
+    }
+
+    /// Takes a finished refresh read: each set that differs and that we
+    /// have not written since the read began is put right from what we
+    /// believe it holds (that is what we wrote, so the desired state),
+    /// without the manager.
+    fn collect_check(&mut self) -> Result<(), BackendError> {
+        if !self.check.as_ref().is_some_and(|c| c.0.is_finished()) {
+            return Ok(());
+        }
+        let (handle, began) = self.check.take().expect("checked above");
+        let diffs = handle.join().map_err(|_| BackendError::Parse {
+            backend: "ipsets",
+            reason: "the IP set read panicked".into(),
+        })??;
+        let Some(observed) = self.observed.as_mut() else {
+            // A failed write since: everything is read and re-sent anyway.
+            return Ok(());
+        };
+        let mut repaired = 0;
+        for (name, read) in diffs {
+            // A set we wrote while the read ran may have been read before
+            // or after our write: leave it to the next refresh. (A repair
+            // would be harmless, since what we write comes from what we
+            // believe and -exist makes it idempotent; this keeps `observed`
+            // from taking a read that is older than our write.)
+            if self.written_at.get(&name).is_some_and(|w| *w > began) {
+                continue;
+            }
+            let believed = observed.remove(&name);
+            if let Some(meta) = self.desired.get(&name).copied() {
+                let mut want = believed.map(|b| b.members).unwrap_or_default();
+                match self.pending.remove(&name) {
+                    Some(Pending::Replace(m, members)) => {
+                        self.pending
+                            .insert(name.clone(), Pending::Replace(m, members));
+                    }
+                    Some(Pending::Delta { add, del }) => {
+                        want.retain(|m| !del.contains(m));
+                        want.extend(add);
+                        self.pending
+                            .insert(name.clone(), Pending::Replace(meta, want));
+                    }
+                    None => {
+                        self.pending
+                            .insert(name.clone(), Pending::Replace(meta, want));
+                    }
+                }
+                repaired += 1;
+            }
+            if let Some(k) = read {
+                observed.insert(name, k);
+            }
+        }
+        debug!(repaired, "IP-set refresh read taken");
+        Ok(())
     }
 
     /// Starts the first `ipset save` in the background, where the tool
@@ -275,6 +393,7 @@ impl IpSets {
 
     /// Creates, member changes and swaps; one `ipset restore`.
     fn apply_updates(&mut self) -> Result<ApplyOutcome, BackendError> {
+        self.collect_check()?;
         if self.observed.is_none()
             && let Err(e) = self.read()
         {
@@ -349,6 +468,10 @@ impl IpSets {
         }
         if !script.is_empty() {
             debug!(bytes = script.len(), sets = pending.len(), "ipset restore");
+            self.writes += 1;
+            for name in pending.keys() {
+                self.written_at.insert(name.clone(), self.writes);
+            }
             // -exist makes the script idempotent: a destroy of a temporary
             // that is not there, an add that is already there.
             if let Err(e) = self.exec.restore(&script) {
@@ -404,6 +527,10 @@ impl IpSets {
             let _ = writeln!(script, "destroy {n}");
         }
         debug!(sets = stale.len(), "destroying IP sets");
+        self.writes += 1;
+        for n in &stale {
+            self.written_at.insert(n.clone(), self.writes);
+        }
         if let Err(e) = self.exec.restore(&script) {
             // Typically a set still in use by a rule ("in use by a kernel
             // component"). Lines before the failing one took effect: read
@@ -415,6 +542,7 @@ impl IpSets {
         let observed = self.observed.as_mut().expect("checked above");
         for n in stale {
             observed.remove(&n);
+            self.written_at.remove(&n);
         }
         Ok(ApplyOutcome::default())
     }
@@ -435,7 +563,10 @@ impl Backend for IpSets {
     fn is_dirty(&self, phase: Phase) -> bool {
         match phase {
             Phase::IpSetUpdates => {
-                self.observed.is_none() || self.needs_full || !self.pending.is_empty()
+                self.observed.is_none()
+                    || self.needs_full
+                    || !self.pending.is_empty()
+                    || self.check.as_ref().is_some_and(|c| c.0.is_finished())
             }
             Phase::IpSetDeletions => self
                 .observed
@@ -447,8 +578,7 @@ impl Backend for IpSets {
 
     fn request_resync(&mut self, refresh: Refresh) {
         if refresh == Refresh::IpSets {
-            self.observed = None;
-            self.needs_full = true;
+            self.start_check();
         }
     }
 

@@ -11,6 +11,9 @@ struct Rec {
     scripts: Vec<String>,
     saves: usize,
     fail_next: bool,
+    /// Offer reads that run on another thread (taking this long).
+    detached: bool,
+    detached_delay: std::time::Duration,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -37,7 +40,14 @@ impl IpSetExec for Recording {
     }
     fn detached_save(&self) -> Option<DetachedSave> {
         let mut me = self.clone();
-        Some(Box::new(move || me.save()))
+        let r = self.0.lock().unwrap();
+        let delay = r.detached_delay;
+        r.detached.then(|| {
+            Box::new(move || {
+                std::thread::sleep(delay);
+                me.save()
+            }) as DetachedSave
+        })
     }
 }
 
@@ -307,6 +317,7 @@ fn a_refresh_rereads_and_repairs() {
 fn the_first_read_can_start_before_the_first_apply() {
     let (mut b, rec) =
         sets("create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n");
+    rec.0.lock().unwrap().detached = true;
     b.prefetch();
     b.prefetch(); // once only
     b.start_full();
@@ -326,14 +337,85 @@ fn the_first_read_can_start_before_the_first_apply() {
         "add dph40a 10.0.0.2\n",
         "diffed against what the early read saw"
     );
-    // A refresh reads again, in the apply.
-    b.request_resync(Refresh::IpSets);
+}
+
+/// Waits for the backend's refresh read to finish.
+fn wait_check(b: &IpSets) {
+    for _ in 0..500 {
+        if b.is_dirty(Phase::IpSetUpdates) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    panic!("the refresh read never finished");
+}
+
+#[test]
+fn a_refresh_read_runs_beside_the_applies_and_repairs_without_the_manager() {
+    let (mut b, rec) = sets("");
+    rec.0.lock().unwrap().detached = true;
     b.start_full();
     b.replace(
         "dph40a".into(),
         IP,
         members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
     );
+    b.replace("dph40b".into(), IP, members(IpSetType::Ip, &["10.0.1.1"]));
     apply_all(&mut b);
-    assert_eq!(rec.0.lock().unwrap().saves, 2);
+    assert_eq!(rec.0.lock().unwrap().scripts.len(), 1);
+    // By hand: a member of a deleted, b destroyed, a foreign-looking set of
+    // our prefix created.
+    rec.0.lock().unwrap().save = "create dph40a hash:ip family inet hashsize 1024 maxelem 1000\n\
+         add dph40a 10.0.0.1\n\
+         create dph40z hash:ip family inet hashsize 1024 maxelem 1000\n"
+        .into();
+    b.request_resync(Refresh::IpSets);
+    assert!(!b.needs_full(), "the manager is not asked for everything");
+    wait_check(&b);
+    apply_all(&mut b);
+    let r = rec.0.lock().unwrap();
+    assert_eq!(r.saves, 2);
+    assert_eq!(
+        sorted(&r.scripts[1]),
+        vec![
+            "add dph40a 10.0.0.2",
+            "add dph40b 10.0.1.1",
+            "create dph40b hash:ip family inet hashsize 1024 maxelem 1000",
+        ]
+    );
+    assert_eq!(r.scripts[2], "destroy dph40z\n", "not desired: destroyed");
+}
+
+#[test]
+fn a_refresh_read_overtaken_by_a_write_repairs_nothing_that_is_right() {
+    let (mut b, rec) = sets("");
+    rec.0.lock().unwrap().detached = true;
+    b.start_full();
+    b.replace("dph40a".into(), IP, members(IpSetType::Ip, &["10.0.0.1"]));
+    apply_all(&mut b);
+    // The read sees the set as it was before the delta below is written
+    // (the read takes 100 ms; the write comes at once).
+    rec.0.lock().unwrap().save =
+        "create dph40a hash:ip family inet hashsize 1024 maxelem 1000\nadd dph40a 10.0.0.1\n"
+            .into();
+    rec.0.lock().unwrap().detached_delay = std::time::Duration::from_millis(100);
+    b.request_resync(Refresh::IpSets);
+    b.delta("dph40a", [m(IpSetType::Ip, "10.0.0.2")], []);
+    b.apply(Phase::IpSetUpdates).unwrap();
+    assert_eq!(
+        rec.0.lock().unwrap().scripts.len(),
+        2,
+        "the delta is written"
+    );
+    wait_check(&b);
+    apply_all(&mut b);
+    let r = rec.0.lock().unwrap();
+    assert_eq!(r.saves, 2);
+    assert_eq!(
+        r.scripts.len(),
+        2,
+        "nothing written but the delta: {:?}",
+        r.scripts
+    );
+    assert_eq!(r.scripts[1], "add dph40a 10.0.0.2\n");
 }
