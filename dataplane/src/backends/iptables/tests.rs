@@ -303,11 +303,21 @@ fn hooks_below_a_foreign_rule_are_moved_to_the_top_or_kept_at_the_bottom() {
 
 #[test]
 fn a_refresh_rereads_and_restores_what_was_deleted_by_hand() {
-    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    let (t, rec) = table(EMPTY, InsertMode::Insert);
+    let mut t = t.with_check_delay(Duration::from_millis(50));
     t.set_chain("dph-x", vec![r("-j ACCEPT")]).unwrap();
     t.set_hooks("INPUT", vec![r("-j dph-x")]).unwrap();
     t.apply(Phase::Tables).unwrap();
     assert_eq!(rec.0.lock().unwrap().saves, 1);
+    // The read after the write, once the table has been quiet for a while
+    // (this recorder reads in the apply): all as written.
+    rec.0.lock().unwrap().save = saved_with(&[("dph-x", &["-j ACCEPT"])], &["-j dph-x"], false);
+    std::thread::sleep(Duration::from_millis(60));
+    assert!(t.is_dirty(Phase::Tables));
+    t.apply(Phase::Tables).unwrap();
+    assert_eq!(rec.0.lock().unwrap().saves, 2);
+    assert_eq!(inputs(&rec), 1);
+    assert!(!t.is_dirty(Phase::Tables));
     // By hand: the hook rule deleted.
     rec.0.lock().unwrap().save = saved_with(&[("dph-x", &["-j ACCEPT"])], &[], false);
     t.request_resync(Refresh::IpSets);
@@ -407,7 +417,8 @@ fn wait_read(t: &Table) {
 
 #[test]
 fn check_reads_run_in_the_background_and_stale_ones_are_dropped() {
-    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    let (t, rec) = table(EMPTY, InsertMode::Insert);
+    let mut t = t.with_check_delay(Duration::ZERO);
     rec.0.lock().unwrap().detached = true;
     t.set_chain("dph-a", vec![r("-j DROP")]).unwrap();
     t.set_hooks("INPUT", vec![r("-j dph-a")]).unwrap();
@@ -489,7 +500,8 @@ fn the_first_read_can_start_before_the_first_apply() {
 
 #[test]
 fn a_check_read_that_finds_what_we_wrote_changes_nothing_and_a_lost_hook_is_put_back() {
-    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    let (t, rec) = table(EMPTY, InsertMode::Insert);
+    let mut t = t.with_check_delay(Duration::ZERO);
     rec.0.lock().unwrap().detached = true;
     t.set_chain("dph-a", vec![r("-p tcp --dport 80 -j DROP")])
         .unwrap();
@@ -535,4 +547,32 @@ fn a_check_read_that_finds_what_we_wrote_changes_nothing_and_a_lost_hook_is_put_
         last(&rec),
         format!("*filter\n-I INPUT 1 -m comment --comment \"dph:{hook}\" -j dph-a\nCOMMIT\n")
     );
+}
+
+#[test]
+fn no_check_read_starts_while_the_table_keeps_being_written() {
+    let (t, rec) = table(EMPTY, InsertMode::Insert);
+    let mut t = t.with_check_delay(Duration::from_millis(300));
+    rec.0.lock().unwrap().detached = true;
+    t.set_hooks("INPUT", vec![r("-j dph-a")]).unwrap();
+    for i in 0..3 {
+        t.set_chain("dph-a", vec![r(&format!("-s 10.0.0.{i}/32 -j DROP"))])
+            .unwrap();
+        t.apply(Phase::Tables).unwrap();
+        // The refresh tick comes in the middle of the writes.
+        t.request_resync(Refresh::Iptables);
+        t.apply(Phase::Tables).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        rec.0.lock().unwrap().saves,
+        1,
+        "only the first read: no check-read beside the writes"
+    );
+    // Once the table has been quiet for the delay, the tick's read runs.
+    std::thread::sleep(Duration::from_millis(320));
+    assert!(t.is_dirty(Phase::Tables));
+    t.apply(Phase::Tables).unwrap();
+    wait_read(&t);
+    assert_eq!(rec.0.lock().unwrap().saves, 2);
 }
