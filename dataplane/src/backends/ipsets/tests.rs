@@ -70,6 +70,15 @@ fn members(ty: IpSetType, list: &[&str]) -> HashSet<Member> {
     list.iter().map(|s| m(ty, s)).collect()
 }
 
+/// The set most tests want: dph40a holding 10.0.0.1 and 10.0.0.2.
+fn want_a(b: &mut IpSets) {
+    b.replace(
+        "dph40a".into(),
+        IP,
+        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
+    );
+}
+
 const IP: Meta = Meta {
     set_type: IpSetType::Ip,
     maxelem: 1000,
@@ -104,11 +113,7 @@ fn fresh_sets_are_created_sized_and_filled_in_one_restore() {
     let (mut b, rec) = sets("");
     assert!(b.needs_full());
     b.start_full();
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     let big: HashSet<Member> = (0..3000u32)
         .map(|i| Member::Ip(std::net::Ipv4Addr::from(0x0a01_0000 + i).into()))
         .collect();
@@ -139,11 +144,7 @@ fn deltas_and_replacements_write_only_the_difference() {
     );
     b.start_full();
     // Adopting what the kernel has: nothing to write at all.
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     apply_all(&mut b);
     assert!(rec.0.lock().unwrap().scripts.is_empty(), "adopted as it is");
 
@@ -288,11 +289,7 @@ fn a_failed_write_rereads_and_asks_for_everything_again() {
 fn a_refresh_rereads_and_repairs() {
     let (mut b, rec) = sets("");
     b.start_full();
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     apply_all(&mut b);
     // Someone deleted a member by hand.
     rec.0.lock().unwrap().save =
@@ -303,11 +300,7 @@ fn a_refresh_rereads_and_repairs() {
     b.request_resync(Refresh::IpSets);
     assert!(b.needs_full() && b.is_dirty(Phase::IpSetUpdates));
     b.start_full();
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     apply_all(&mut b);
     assert_eq!(last_script(&rec), "add dph40a 10.0.0.2\n");
     let _ = Id::new("unused").unwrap();
@@ -321,11 +314,7 @@ fn the_first_read_can_start_before_the_first_apply() {
     b.prefetch();
     b.prefetch(); // once only
     b.start_full();
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     apply_all(&mut b);
     assert_eq!(
         rec.0.lock().unwrap().saves,
@@ -355,11 +344,7 @@ fn a_refresh_read_runs_beside_the_applies_and_repairs_without_the_manager() {
     let (mut b, rec) = sets("");
     rec.0.lock().unwrap().detached = true;
     b.start_full();
-    b.replace(
-        "dph40a".into(),
-        IP,
-        members(IpSetType::Ip, &["10.0.0.1", "10.0.0.2"]),
-    );
+    want_a(&mut b);
     b.replace("dph40b".into(), IP, members(IpSetType::Ip, &["10.0.1.1"]));
     apply_all(&mut b);
     assert_eq!(rec.0.lock().unwrap().scripts.len(), 1);
