@@ -120,6 +120,18 @@ pub(crate) enum ScriptInput {
     File,
 }
 
+/// The result of a read that ran on a thread of its own (a panic there is
+/// an error here, not a crash of the loop).
+pub(crate) fn join_read<T>(
+    backend: &'static str,
+    handle: std::thread::JoinHandle<Result<T, BackendError>>,
+) -> Result<T, BackendError> {
+    handle.join().map_err(|_| BackendError::Parse {
+        backend,
+        reason: "the read's thread panicked".into(),
+    })?
+}
+
 /// Runs `cmd` with `input` on its standard input; returns its output.
 /// `Err` only when it could not be run at all.
 pub(crate) fn run_with_input(

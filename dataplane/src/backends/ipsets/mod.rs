@@ -206,10 +206,7 @@ impl IpSets {
             return Ok(());
         }
         let (handle, began) = self.check.take().expect("checked above");
-        let diffs = handle.join().map_err(|_| BackendError::Parse {
-            backend: "ipsets",
-            reason: "the IP set read panicked".into(),
-        })??;
+        let diffs = super::join_read(self.name(), handle)?;
         let Some(observed) = self.observed.as_mut() else {
             // A failed write since: everything is read and re-sent anyway.
             return Ok(());
@@ -346,10 +343,7 @@ impl IpSets {
 
     fn read(&mut self) -> Result<(), BackendError> {
         let text = match self.first_read.take() {
-            Some(h) => h.join().map_err(|_| BackendError::Parse {
-                backend: self.name(),
-                reason: "the IP set read panicked".into(),
-            })??,
+            Some(h) => super::join_read(self.name(), h)?,
             None => self.exec.save()?,
         };
         let version = self.version;

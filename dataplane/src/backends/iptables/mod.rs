@@ -953,7 +953,7 @@ impl Table {
             return Ok(());
         }
         let b = self.background.take().expect("checked above");
-        let result = join_read(b.handle)?;
+        let result = super::join_read(self.name(), b.handle)?;
         if b.writes == self.writes {
             self.adopt(result);
         } else {
@@ -980,7 +980,7 @@ impl Table {
             // A read no write has overtaken (the first one, started with
             // the daemon): wait for it rather than read again. A stale one
             // is let go (its thread ends on its own).
-            let result = join_read(b.handle)?;
+            let result = super::join_read(self.name(), b.handle)?;
             self.adopt(result);
         }
         if self.observed.is_none() {
@@ -1036,15 +1036,6 @@ impl Table {
         self.full_diff = false;
         self.touched.clear();
     }
-}
-
-fn join_read(
-    handle: std::thread::JoinHandle<Result<ReadResult, BackendError>>,
-) -> Result<ReadResult, BackendError> {
-    handle.join().map_err(|_| BackendError::Parse {
-        backend: "iptables",
-        reason: "the table read panicked".into(),
-    })?
 }
 
 impl Backend for Table {
