@@ -120,16 +120,42 @@ pub(crate) enum ScriptInput {
     File,
 }
 
-/// The result of a read that ran on a thread of its own (a panic there is
-/// an error here, not a crash of the loop).
-pub(crate) fn join_read<T>(
-    backend: &'static str,
+/// A read of the kernel (`iptables-save`, `ipset save`) that can run on
+/// another thread.
+pub type DetachedSave = Box<dyn FnOnce() -> Result<String, BackendError> + Send>;
+
+/// A kernel read running on a thread of its own beside the applies, and
+/// how many writes the backend had attempted when it began (a read that a
+/// later write overtook may be stale).
+#[derive(Debug)]
+pub(crate) struct BackgroundRead<T> {
     handle: std::thread::JoinHandle<Result<T, BackendError>>,
-) -> Result<T, BackendError> {
-    handle.join().map_err(|_| BackendError::Parse {
-        backend,
-        reason: "the read's thread panicked".into(),
-    })?
+    pub(crate) writes: u64,
+}
+
+impl<T: Send + 'static> BackgroundRead<T> {
+    pub(crate) fn spawn(
+        writes: u64,
+        job: impl FnOnce() -> Result<T, BackendError> + Send + 'static,
+    ) -> Self {
+        Self {
+            handle: std::thread::spawn(job),
+            writes,
+        }
+    }
+
+    pub(crate) fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the result (a panic on the thread is an error here, not
+    /// a crash of the loop).
+    pub(crate) fn join(self, backend: &'static str) -> Result<T, BackendError> {
+        self.handle.join().map_err(|_| BackendError::Parse {
+            backend,
+            reason: "the read's thread panicked".into(),
+        })?
+    }
 }
 
 /// Runs `cmd` with `input` on its standard input; returns its output.

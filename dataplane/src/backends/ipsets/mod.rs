@@ -24,7 +24,8 @@ use std::fmt::Write as _;
 
 use tracing::{debug, instrument};
 
-use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
+pub use super::DetachedSave;
+use super::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
 use crate::model::IpVersion;
 use crate::model::ipsets::{IpSetType, Member, SetNames};
 
@@ -48,9 +49,6 @@ pub trait IpSetExec: Send + std::fmt::Debug {
         None
     }
 }
-
-/// An `ipset save` running on its own thread.
-pub type DetachedSave = Box<dyn FnOnce() -> Result<String, BackendError> + Send>;
 
 /// One of our sets as the kernel has it. `meta` is `None` for a set of a
 /// type we do not program (someone else made it under our name): it is
@@ -89,13 +87,9 @@ pub struct IpSets {
     needs_full: bool,
     temp_seq: u64,
     /// The first read, started with the daemon ([`IpSets::prefetch`]).
-    first_read: Option<std::thread::JoinHandle<Result<String, BackendError>>>,
-    /// A refresh read running beside the applies, and the write count when
-    /// it began.
-    check: Option<(
-        std::thread::JoinHandle<Result<Differences, BackendError>>,
-        u64,
-    )>,
+    first_read: Option<BackgroundRead<String>>,
+    /// A refresh read running beside the applies.
+    check: Option<BackgroundRead<Differences>>,
     /// Restores attempted so far, and per set the count at its last write:
     /// what a refresh read says of a set written since it began is not
     /// trusted.
@@ -168,7 +162,7 @@ impl IpSets {
                 debug!("IP-set refresh read started");
                 let belief = observed.clone();
                 let (names, version) = (self.names.clone(), self.version);
-                let handle = std::thread::spawn(move || {
+                let check = BackgroundRead::spawn(self.writes, move || {
                     let text = save()?;
                     let read = save::parse(&text, |n| names.owns(version, n)).map_err(|e| {
                         BackendError::Parse {
@@ -188,7 +182,7 @@ impl IpSets {
                     }
                     Ok(out)
                 });
-                self.check = Some((handle, self.writes));
+                self.check = Some(check);
             }
             _ => {
                 self.observed = None;
@@ -202,11 +196,12 @@ impl IpSets {
     /// believe it holds (that is what we wrote, so the desired state),
     /// without the manager.
     fn collect_check(&mut self) -> Result<(), BackendError> {
-        if !self.check.as_ref().is_some_and(|c| c.0.is_finished()) {
+        if !self.check.as_ref().is_some_and(BackgroundRead::is_finished) {
             return Ok(());
         }
-        let (handle, began) = self.check.take().expect("checked above");
-        let diffs = super::join_read(self.name(), handle)?;
+        let check = self.check.take().expect("checked above");
+        let began = check.writes;
+        let diffs = check.join(self.name())?;
         let Some(observed) = self.observed.as_mut() else {
             // A failed write since: everything is read and re-sent anyway.
             return Ok(());
@@ -260,7 +255,7 @@ impl IpSets {
             && self.first_read.is_none()
             && let Some(save) = self.exec.detached_save()
         {
-            self.first_read = Some(std::thread::spawn(save));
+            self.first_read = Some(BackgroundRead::spawn(0, save));
         }
     }
 
@@ -343,7 +338,7 @@ impl IpSets {
 
     fn read(&mut self) -> Result<(), BackendError> {
         let text = match self.first_read.take() {
-            Some(h) => super::join_read(self.name(), h)?,
+            Some(r) => r.join(self.name())?,
             None => self.exec.save()?,
         };
         let version = self.version;
@@ -560,7 +555,7 @@ impl Backend for IpSets {
                 self.observed.is_none()
                     || self.needs_full
                     || !self.pending.is_empty()
-                    || self.check.as_ref().is_some_and(|c| c.0.is_finished())
+                    || self.check.as_ref().is_some_and(BackgroundRead::is_finished)
             }
             Phase::IpSetDeletions => self
                 .observed

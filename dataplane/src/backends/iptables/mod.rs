@@ -25,10 +25,10 @@
 //! writes it could never be used, and it slowed every restore beside it
 //! (measured at 320,000 rules: applies 300 ms apart became 400-900 ms, and
 //! the read did not finish in 30 s — iptables-save starts its dump over
-//! when a commit lands in the middle). The first read can start when the daemon does
-//! ([`Table::prefetch`]), while the calc graph is still sending its
-//! snapshot (nothing is applied before it is in sync); the read after a
-//! failed write is done in the apply itself.
+//! when a commit lands in the middle). The first read can start when the
+//! daemon does ([`Table::prefetch`]), while the calc graph is still
+//! sending its snapshot (nothing is applied before it is in sync); the
+//! read after a failed write is done in the apply itself.
 
 pub mod restore;
 pub mod save;
@@ -41,7 +41,8 @@ use base64::Engine;
 use sha2::Digest;
 use tracing::{debug, instrument};
 
-use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
+pub use super::DetachedSave;
+use super::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
 use crate::model::IpVersion;
 
 /// When a table is read again after we wrote it.
@@ -143,11 +144,13 @@ impl RuleHash {
 
     /// The hash in a comment read back (after our prefix).
     pub fn parse(s: &str) -> Self {
-        let ok = s.len() == 16
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
         match <[u8; 16]>::try_from(s.as_bytes()) {
-            Ok(b) if ok => Self(b),
+            Ok(b)
+                if b.iter()
+                    .all(|c| c.is_ascii_alphanumeric() || b"-_".contains(c)) =>
+            {
+                Self(b)
+            }
             _ => Self::DAMAGED,
         }
     }
@@ -229,16 +232,6 @@ pub trait IptablesExec: Send + std::fmt::Debug {
     fn detached_save(&self, _table: &str) -> Option<DetachedSave> {
         None
     }
-}
-
-/// A table read that runs on its own thread.
-pub type DetachedSave = Box<dyn FnOnce() -> Result<String, BackendError> + Send>;
-
-/// A re-read in flight, and the write count when it started.
-#[derive(Debug)]
-struct BackgroundRead {
-    handle: std::thread::JoinHandle<Result<ReadResult, BackendError>>,
-    writes: u64,
 }
 
 /// What a background read found: parsed, and for a check-read compared,
@@ -387,7 +380,7 @@ pub struct Table {
     recheck_at: Option<Instant>,
     /// A check-read running beside the applies (at 300,000 rules
     /// iptables-save takes seconds; the loop does not wait for it).
-    background: Option<BackgroundRead>,
+    background: Option<BackgroundRead<ReadResult>>,
     /// Writes attempted so far (failed ones too: what they left is
     /// unknown): a background read that began before the last one is stale.
     writes: u64,
@@ -869,10 +862,9 @@ impl Table {
             && let Some(save) = self.exec.detached_save(self.table)
         {
             let prefix = self.own.comment_prefix.clone();
-            self.background = Some(BackgroundRead {
-                handle: std::thread::spawn(move || ReadResult::read(save, prefix)),
-                writes: self.writes,
-            });
+            self.background = Some(BackgroundRead::spawn(self.writes, move || {
+                ReadResult::read(save, prefix)
+            }));
         }
     }
 
@@ -890,10 +882,9 @@ impl Table {
                 // read with (a copy: the applies go on meanwhile).
                 let belief = observed.clone();
                 let prefix = self.own.comment_prefix.clone();
-                self.background = Some(BackgroundRead {
-                    handle: std::thread::spawn(move || ReadResult::check(save, prefix, belief)),
-                    writes: self.writes,
-                });
+                self.background = Some(BackgroundRead::spawn(self.writes, move || {
+                    ReadResult::check(save, prefix, belief)
+                }));
             }
             _ => self.observed = None,
         }
@@ -948,13 +939,14 @@ impl Table {
         if !self
             .background
             .as_ref()
-            .is_some_and(|b| b.handle.is_finished())
+            .is_some_and(BackgroundRead::is_finished)
         {
             return Ok(());
         }
         let b = self.background.take().expect("checked above");
-        let result = super::join_read(self.name(), b.handle)?;
-        if b.writes == self.writes {
+        let began = b.writes;
+        let result = b.join(self.name())?;
+        if began == self.writes {
             self.adopt(result);
         } else {
             debug!(
@@ -980,7 +972,7 @@ impl Table {
             // A read no write has overtaken (the first one, started with
             // the daemon): wait for it rather than read again. A stale one
             // is let go (its thread ends on its own).
-            let result = super::join_read(self.name(), b.handle)?;
+            let result = b.join(self.name())?;
             self.adopt(result);
         }
         if self.observed.is_none() {
@@ -1064,7 +1056,7 @@ impl Backend for Table {
                 || self
                     .background
                     .as_ref()
-                    .is_some_and(|b| b.handle.is_finished()))
+                    .is_some_and(BackgroundRead::is_finished))
     }
 
     fn request_resync(&mut self, refresh: Refresh) {
@@ -1076,7 +1068,7 @@ impl Backend for Table {
             let quiet = self
                 .last_write
                 .map_or(now, |w| (w + self.check_delay).max(now));
-            self.recheck_at = Some(self.recheck_at.map_or(quiet, |t| t.min(quiet).max(now)));
+            self.recheck_at = Some(self.recheck_at.map_or(quiet, |t| t.min(quiet)));
         }
     }
 
