@@ -13,7 +13,7 @@ use dphandler_dataplane::backends::iptables::restore::{
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::routes::{Routes, iproute::IpTool};
-use dphandler_dataplane::backends::sysctl::Sysctls;
+use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
@@ -157,6 +157,13 @@ struct ServeArgs {
     /// Program IPv6 as well as IPv4.
     #[arg(long, env = "DPH_IPV6", default_value_t = true, action = clap::ArgAction::Set)]
     ipv6: bool,
+    /// Turn on the node's global forwarding (`net.ipv4.ip_forward=1` and,
+    /// with --ipv6, `net.ipv6.conf.all.forwarding=1`) once policy is
+    /// programmed, and keep it on (Felix's IPForwarding). `disabled`
+    /// leaves both as they are: then whoever manages the node must turn
+    /// them on, or workloads reach nothing beyond the node.
+    #[arg(long, env = "DPH_IP_FORWARDING", default_value = "enabled")]
+    ip_forwarding: Forwarding,
 }
 
 /// A `proto:port,…` list (one value, so clap does not take it for a
@@ -330,6 +337,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     kernel.routes = Some(Routes::new(args.route_protocol, Box::new(IpTool)));
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
+    let node = NodeSettings::new("/proc/sys", args.ip_forwarding, args.ipv6);
+    match args.ip_forwarding {
+        Forwarding::Enabled => info!(
+            knobs = ?node.knobs(),
+            "IP forwarding enabled: these are set once policy is programmed, and kept"
+        ),
+        Forwarding::Disabled => info!(
+            knobs = ?node.knobs(),
+            "IP forwarding disabled by config: the forwarding sysctls are left as they are"
+        ),
+    }
+    kernel.others.push(Box::new(node));
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(
             IpSetsManager::new(args.max_ipset_size).with_host_ips(&args.workload_iface_prefix),

@@ -42,9 +42,11 @@ pub struct WorkloadSpec<'a> {
     pub n: u8,
     pub v4: &'a str,
     pub v6: Option<&'a str>,
-    /// Add the host's /32 (/128) route to the workload by hand.
+    /// Add the host's /32 (/128) route to the workload by hand, as the CNI
+    /// does (the daemon adds its own as well).
     pub host_route: bool,
-    /// Add a permanent neighbour entry for the workload on the host.
+    /// Add a permanent IPv4 neighbour entry for the workload on the host
+    /// (IPv6 neighbours are always left to NDP, as on a Calico node).
     pub host_neigh: bool,
 }
 
@@ -54,9 +56,19 @@ impl WorkloadSpec<'_> {
     }
 }
 
-/// Creates the workload's namespace and veth pair: `/32` (and `/128`,
-/// without DAD) on eth0, default routes via 169.254.1.1 and fe80::1 with
-/// permanent neighbours for them (the host side has MAC ee:ee:ee:ee:ee:ee).
+/// The host side's IPv6 link-local address: the workloads' IPv6 gateway.
+/// The CNI gives every host-side veth MAC ee:ee:ee:ee:ee:ee, and the kernel
+/// derives this address from it.
+pub const HOST_SIDE_LL: &str = "fe80::ecee:eeff:feee:eeee";
+
+/// Creates the workload's namespace and veth pair as Calico's CNI does:
+/// host side with MAC ee:ee:ee:ee:ee:ee; a /32 (and /128) on the workload's
+/// eth0; IPv4 default route via 169.254.1.1 (a permanent neighbour for it
+/// in the workload: the lab's host has no uplink for proxy ARP to answer
+/// from); IPv6 default route via the host side's link-local address,
+/// resolved by NDP. DAD is off on both ends, as the CNI sets it (a
+/// point-to-point link). Nothing global is set: forwarding and the
+/// per-interface knobs the daemon owns are the daemon's to set.
 pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
     let wl = Netns::new("wl")?;
     let (iface, mac) = (s.iface, s.mac());
@@ -66,6 +78,11 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
             "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &wl.0,
         ],
     )?;
+    if s.v6.is_some() {
+        let dad = |dev: &str| format!("net.ipv6.conf.{dev}.accept_dad=0");
+        host.run("sysctl", &["-qw", &dad(iface)])?;
+        wl.run("sysctl", &["-qw", &dad("eth0")])?;
+    }
     host.run(
         "ip",
         &["link", "set", iface, "address", "ee:ee:ee:ee:ee:ee", "up"],
@@ -100,15 +117,20 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
             "eth0",
         ],
     )?;
-    let gw = [
-        "lladdr",
-        "ee:ee:ee:ee:ee:ee",
-        "dev",
-        "eth0",
-        "nud",
-        "permanent",
-    ];
-    wl.run("ip", &[&["neigh", "add", "169.254.1.1"][..], &gw].concat())?;
+    wl.run(
+        "ip",
+        &[
+            "neigh",
+            "add",
+            "169.254.1.1",
+            "lladdr",
+            "ee:ee:ee:ee:ee:ee",
+            "dev",
+            "eth0",
+            "nud",
+            "permanent",
+        ],
+    )?;
     if s.host_route {
         host.run(
             "ip",
@@ -134,24 +156,19 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
     if let Some(v6) = s.v6 {
         wl.run(
             "ip",
+            &["-6", "addr", "add", &format!("{v6}/128"), "dev", "eth0"],
+        )?;
+        wl.run(
+            "ip",
             &[
                 "-6",
-                "addr",
+                "route",
                 "add",
-                &format!("{v6}/128"),
+                "default",
+                "via",
+                HOST_SIDE_LL,
                 "dev",
                 "eth0",
-                "nodad",
-            ],
-        )?;
-        wl.run(
-            "ip",
-            &[&["-6", "neigh", "add", "fe80::1"][..], &gw].concat(),
-        )?;
-        wl.run(
-            "ip",
-            &[
-                "-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0",
             ],
         )?;
         if s.host_route {
@@ -160,25 +177,15 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
                 &["-6", "route", "add", &format!("{v6}/128"), "dev", iface],
             )?;
         }
-        if s.host_neigh {
-            host.run(
-                "ip",
-                &[
-                    "-6",
-                    "neigh",
-                    "add",
-                    v6,
-                    "lladdr",
-                    &mac,
-                    "dev",
-                    iface,
-                    "nud",
-                    "permanent",
-                ],
-            )?;
-        }
     }
     Ok(wl)
+}
+
+/// Forgets every learnt IPv6 neighbour in `ns` (permanent ones stay), so
+/// that the next packet has to resolve its next hop by NDP again.
+pub fn forget_ipv6_neighbours(ns: &Netns) -> Result<()> {
+    ns.run("ip", &["-6", "neigh", "flush", "all"])?;
+    Ok(())
 }
 
 /// TCP listeners and UDP echo servers in a namespace, stopped on drop.
@@ -241,4 +248,39 @@ pub fn tcp_ok(from: &Netns, to: SocketAddr, timeout: Duration) -> bool {
     in_ns(&from.0, move || {
         TcpStream::connect_timeout(&to, timeout).is_ok()
     })
+}
+
+/// One probe of [`probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// A TCP connection to this port.
+    Tcp(u16),
+    /// A datagram to this port and its echo back.
+    Udp(u16),
+    /// One ping (ICMP echo, or ICMPv6 echo to an IPv6 address).
+    Icmp,
+}
+
+/// Whether `p` from inside `from` to `to` gets through (each waits up to
+/// 0.4 s when dropped).
+pub fn probe(from: &Netns, to: &str, p: Probe) -> bool {
+    let ip: std::net::IpAddr = to.parse().expect("a probe's target is an address");
+    match p {
+        Probe::Tcp(port) => tcp_ok(from, SocketAddr::new(ip, port), Duration::from_millis(400)),
+        Probe::Udp(port) => in_ns(&from.0, move || {
+            let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+            let s = UdpSocket::bind(bind).expect("bind a udp probe");
+            s.set_read_timeout(Some(Duration::from_millis(400)))
+                .expect("read timeout");
+            let _ = s.send_to(b"ping", SocketAddr::new(ip, port));
+            let mut buf = [0u8; 16];
+            s.recv_from(&mut buf).is_ok()
+        }),
+        Probe::Icmp => from
+            .command("ping")
+            .args(["-c", "1", "-W", "0.4", to])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false),
+    }
 }

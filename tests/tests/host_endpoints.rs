@@ -156,7 +156,6 @@ async fn untracked_pre_dnat_forward_and_all_interfaces() -> Result<()> {
     let out = Netns::new("hep2out")?;
     let far = Netns::new("hep2far")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
     for (ns, up, net, route) in [
         (&out, "up0", "10.99.0", "10.98.0.0/24"),
         (&far, "up1", "10.98.0", "10.99.0.0/24"),

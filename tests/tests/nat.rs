@@ -21,7 +21,6 @@ async fn masquerade_follows_the_pool() -> Result<()> {
     let host = Netns::new("nathost")?;
     let out = Netns::new("natout")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
     // The workload, as CNI would set it up; the daemon adds the route.
     let wl = lab::workload(
         &host,

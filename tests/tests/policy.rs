@@ -61,13 +61,16 @@ async fn connectivity_follows_policy() -> Result<()> {
     let dir = tempdir()?;
     let host = Netns::new("host")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
     let w1 = workload(&host, "cali1", "10.65.0.2")?;
     let w2 = workload(&host, "cali2", "10.65.0.3")?;
     let _l = listen(&w2.0, &[80, 81]);
 
-    // Before the daemon: plain routing works (the lab is sound).
-    assert!(tcp(&w1, "10.65.0.3", 80), "the lab itself does not route");
+    // Before the daemon: a namespace with the kernel's defaults does not
+    // forward; the daemon has to turn that on (as Felix does).
+    assert!(
+        !tcp(&w1, "10.65.0.3", 80),
+        "the fresh namespace forwards already: this test would not show the daemon doing it"
+    );
 
     let d = Daemon::start(&host, &dir.path().join("dp.sock"), &["--ipv6", "false"])?;
     let mut c = d.connect().await.context("daemon")?;
@@ -220,7 +223,6 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
     let dir = tempdir()?;
     let host = Netns::new("rthost")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
     let w1 = workload(&host, "cali1", "10.65.0.2")?;
     let w2 = workload(&host, "cali2", "10.65.0.3")?;
     // Take the hand-made route to w2 away: the daemon must program it.
@@ -335,7 +337,6 @@ async fn established_flows_survive_a_policy_change_new_ones_follow_it() -> Resul
     let dir = tempdir()?;
     let host = Netns::new("flowh")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
     let w1 = workload(&host, "cali1", "10.65.0.2")?;
     let w2 = workload(&host, "cali2", "10.65.0.3")?;
     // An echo server on w2:80.

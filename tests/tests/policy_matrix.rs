@@ -5,44 +5,14 @@
 //! the policy allows. All traffic stays inside the test's namespaces.
 //! Needs root.
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::time::Duration;
-
 use anyhow::{Result, bail};
-use dphandler_tests::lab::{WorkloadSpec, in_ns, serve, tcp_ok, workload, yaml_msgs};
+use dphandler_tests::lab::{
+    Probe, WorkloadSpec, forget_ipv6_neighbours, probe, serve, workload, yaml_msgs,
+};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 const W1: (&str, &str) = ("10.65.0.2", "fd00:65::2");
 const W2: (&str, &str) = ("10.65.0.3", "fd00:65::3");
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Probe {
-    Tcp(u16),
-    Udp(u16),
-    Icmp,
-}
-
-fn probe(from: &Netns, to: &str, p: Probe) -> bool {
-    let ip: IpAddr = to.parse().unwrap();
-    match p {
-        Probe::Tcp(port) => tcp_ok(from, SocketAddr::new(ip, port), Duration::from_millis(400)),
-        Probe::Udp(port) => in_ns(&from.0, move || {
-            let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-            let s = UdpSocket::bind(bind).unwrap();
-            s.set_read_timeout(Some(Duration::from_millis(400)))
-                .unwrap();
-            let _ = s.send_to(b"ping", SocketAddr::new(ip, port));
-            let mut buf = [0u8; 16];
-            s.recv_from(&mut buf).is_ok()
-        }),
-        Probe::Icmp => from
-            .command("ping")
-            .args(["-c", "1", "-W", "0.4", to])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false),
-    }
-}
 
 const PROBES: [Probe; 6] = [
     Probe::Tcp(80),
@@ -241,14 +211,6 @@ async fn policy_scenarios_v4_and_v6() -> Result<()> {
     let dir = tempdir()?;
     let host = Netns::new("mxhost")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run(
-        "sysctl",
-        &[
-            "-qw",
-            "net.ipv4.ip_forward=1",
-            "net.ipv6.conf.all.forwarding=1",
-        ],
-    )?;
     let spec = |iface, n, (v4, v6): (&'static str, &'static str)| WorkloadSpec {
         iface,
         n,
@@ -297,6 +259,11 @@ async fn policy_scenarios_v4_and_v6() -> Result<()> {
         if !rej.is_empty() {
             failures.push(format!("{}: rejected {rej:?}", case.name));
             continue;
+        }
+        // Every case resolves its IPv6 next hops by NDP anew, under its
+        // own policy (no neighbour learnt in an earlier case helps).
+        for ns in [&host, &w1, &w2] {
+            forget_ipv6_neighbours(ns)?;
         }
         // All probes of a case at once (each waits up to 0.4 s when dropped).
         let results: Vec<(&str, Probe, bool, bool)> = std::thread::scope(|sc| {

@@ -17,22 +17,26 @@ use std::time::Duration;
 
 /// Order of the apply phases (Felix's `apply()`): IP sets are created and
 /// updated before the tables that reference them; routes and rules run
-/// beside them; tables next; IP-set deletions last, once nothing references
-/// the sets.
+/// beside them; tables next; IP-set deletions once nothing references the
+/// sets; node-wide settings (global forwarding) last, so that forwarding
+/// comes on only after the rules that police it (a failed phase stops the
+/// apply before it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
     IpSetUpdates,
     RoutesAndRules,
     Tables,
     IpSetDeletions,
+    NodeSettings,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 4] = [
+    pub const ALL: [Phase; 5] = [
         Phase::IpSetUpdates,
         Phase::RoutesAndRules,
         Phase::Tables,
         Phase::IpSetDeletions,
+        Phase::NodeSettings,
     ];
 }
 

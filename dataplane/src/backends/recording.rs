@@ -52,6 +52,7 @@ impl RecordingBackend {
                     Phase::RoutesAndRules => &[Phase::RoutesAndRules],
                     Phase::Tables => &[Phase::Tables],
                     Phase::IpSetDeletions => &[Phase::IpSetDeletions],
+                    Phase::NodeSettings => &[Phase::NodeSettings],
                 },
                 handle: handle.clone(),
             },

@@ -12,6 +12,11 @@ use crate::rules::{Direction, Renderer};
 /// Interfaces per dispatch chain before it is split.
 const DISPATCH_LEAF: usize = 32;
 
+/// ICMPv6 types a workload may always send to the host: multicast
+/// listener query, report and done (130-132), router solicitation (133),
+/// neighbour solicitation and advertisement (135, 136).
+const ICMPV6_TO_ROUTER: [u8; 6] = [130, 131, 132, 133, 135, 136];
+
 /// The tables endpoint policy lives in.
 pub const FILTER: &str = "filter";
 pub const RAW: &str = "raw";
@@ -345,18 +350,24 @@ impl EndpointsManager {
     pub(super) fn static_chains(
         &self,
         table: &str,
+        v: IpVersion,
         res: &Resolved,
     ) -> Result<Chains, ManagerError> {
         let active = self.host_tables_active(res);
         match table {
-            FILTER => self.filter_chains(res, active),
+            FILTER => self.filter_chains(res, active, v),
             RAW if active => self.raw_chains(res),
             MANGLE if active => self.mangle_chains(res),
             _ => Ok(Chains::new()),
         }
     }
 
-    fn filter_chains(&self, res: &Resolved, active: bool) -> Result<Chains, ManagerError> {
+    fn filter_chains(
+        &self,
+        res: &Resolved,
+        active: bool,
+        v: IpVersion,
+    ) -> Result<Chains, ManagerError> {
         let m = self.cfg.marks;
         let wl = format!("{}+", self.cfg.workload_prefix);
         let (from, to) = (self.p("from-wl-dispatch"), self.p("to-wl-dispatch"));
@@ -381,11 +392,35 @@ impl EndpointsManager {
         fwd.push(on_mark(&[], &mark(m.accept), "ACCEPT")?);
         chains.insert(self.p("FORWARD"), fwd);
 
-        let mut input = vec![
+        // IPv6: what a workload needs of its router (the host) is accepted
+        // before its egress policy, so that no policy can cut it off from
+        // its gateway (Felix's ICMPv6Filter in cali-wl-to-host).
+        let mut input = match v {
+            IpVersion::V4 => Vec::new(),
+            IpVersion::V6 => ICMPV6_TO_ROUTER
+                .iter()
+                .map(|t| {
+                    let t = t.to_string();
+                    rule(&[
+                        "-i",
+                        &wl,
+                        "-p",
+                        "ipv6-icmp",
+                        "-m",
+                        "icmp6",
+                        "--icmpv6-type",
+                        &t,
+                        "-j",
+                        "ACCEPT",
+                    ])
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        input.extend([
             rule(&["-i", &wl, "-j", &from])?,
             on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
             rule(&["-i", &wl, "-j", "DROP"])?,
-        ];
+        ]);
         if active {
             input.push(already()?);
         }

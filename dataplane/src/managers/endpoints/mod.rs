@@ -314,7 +314,7 @@ impl EndpointsManager {
                 None => Ok(chains::Chains::new()),
             },
             Owner::Dispatch if table == FILTER => self.dispatch_chains(),
-            Owner::Static => self.static_chains(table, &self.resolved),
+            Owner::Static => self.static_chains(table, v, &self.resolved),
             _ => Ok(chains::Chains::new()),
         }
     }
@@ -375,7 +375,11 @@ impl EndpointsManager {
     }
 
     /// /32 and /128 routes to each workload whose interface exists, and a
-    /// permanent neighbour entry for each address when the MAC is known.
+    /// permanent neighbour entry for each IPv4 address when the MAC is
+    /// known. IPv6 neighbours are left to NDP, as in Felix (its static
+    /// entries are ARP only): the host solicits, the workload answers, and
+    /// the ICMPv6 exception in `dph-INPUT` lets the answer through whatever
+    /// the workload's egress policy says.
     fn routes(
         &self,
     ) -> (
@@ -396,6 +400,7 @@ impl EndpointsManager {
             for net in nets {
                 routes.insert(net, dev.to_string());
                 if let Some(mac) = &ep.mac
+                    && matches!(net, ipnet::IpNet::V4(_))
                     && net.prefix_len() == net.max_prefix_len()
                 {
                     neighbours.insert(crate::backends::routes::Neighbour {

@@ -665,3 +665,52 @@ fn dispatch_is_a_tree_that_reaches_every_endpoint() {
         "dph-tw-cali00000000abc"
     );
 }
+
+#[test]
+fn ipv6_workloads_reach_their_router_whatever_their_egress_policy() {
+    let filter = |v| {
+        let mut m = mgr();
+        m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));
+        run(&mut m, &mut kernel(v), "filter")
+    };
+    let icmpv6: Vec<String> = [130, 131, 132, 133, 135, 136]
+        .iter()
+        .map(|t| format!("-i cali+ -p ipv6-icmp -m icmp6 --icmpv6-type {t} -j ACCEPT"))
+        .collect();
+    let v6 = filter(IpVersion::V6);
+    // Felix's ICMPv6Filter: before the jump to the egress policy.
+    assert_eq!(v6["dph-INPUT"][..6], icmpv6[..]);
+    assert_eq!(v6["dph-INPUT"][6], "-i cali+ -j dph-from-wl-dispatch");
+    let v4 = filter(IpVersion::V4);
+    assert_eq!(v4["dph-INPUT"][0], "-i cali+ -j dph-from-wl-dispatch");
+    assert!(
+        !v4.values().flatten().any(|r| r.contains("icmp6")),
+        "IPv4 has no such exception"
+    );
+}
+
+#[test]
+fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
+    let mut m = mgr();
+    let Update::WorkloadEndpoint(wid, mut ep) = wep("cali1", vec![], &[], EndpointState::Active)
+    else {
+        unreachable!()
+    };
+    ep.mac = Some(crate::model::MacAddr::parse("02:00:00:00:00:01").unwrap());
+    ep.ipv4_nets = vec!["10.65.0.2/32".parse().unwrap()];
+    ep.ipv6_nets = vec!["fd00:65::2/128".parse().unwrap()];
+    m.on_update(&Update::WorkloadEndpoint(wid, ep));
+    link(&mut m, 7, "cali1", "fe80::ecee:eeff:feee:eeee/64");
+    let (routes, neighbours) = m.routes();
+    assert_eq!(
+        routes.keys().map(ToString::to_string).collect::<Vec<_>>(),
+        ["10.65.0.2/32", "fd00:65::2/128"]
+    );
+    assert_eq!(
+        neighbours
+            .iter()
+            .map(|n| n.addr.to_string())
+            .collect::<Vec<_>>(),
+        ["10.65.0.2"]
+    );
+}
