@@ -30,6 +30,24 @@ pub struct DemoArgs {
     timeout: f64,
 }
 
+/// The node-wide sysctls the daemon sets (see `backends::sysctl`).
+const NODE_SETTINGS: [&str; 3] = [
+    "net.ipv4.ip_forward",
+    "net.ipv6.conf.all.forwarding",
+    "net.netfilter.nf_conntrack_acct",
+];
+
+/// A sysctl's value inside namespace `ns` ("?" when it cannot be read).
+fn sysctl(ns: &str, key: &str) -> String {
+    Command::new("ip")
+        .args(["netns", "exec", ns, "sysctl", "-n", key])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "?".into())
+}
+
 struct Sandbox(String);
 
 impl Drop for Sandbox {
@@ -97,6 +115,9 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     let _ = Command::new("ip")
         .args(["-n", &ns.0, "link", "set", "lo", "up"])
         .status();
+    // The node-wide settings the daemon makes (as Felix): read before it
+    // starts, shown again once it is in sync.
+    let before: Vec<String> = NODE_SETTINGS.iter().map(|k| sysctl(&ns.0, k)).collect();
     let dir = tempfile::Builder::new().prefix("dph-demo-").tempdir()?;
     let socket = dir.path().join("dataplane.sock");
     let exe = std::env::current_exe().context("finding our own binary")?;
@@ -187,6 +208,13 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         "status: in sync {}, {} applies ({} failed), last programmed sequence {}",
         st.in_sync, st.applies, st.failed_applies, st.last_programmed_sequence
     );
+    println!(
+        "node-wide settings in the sandbox (the daemon turns forwarding on once policy is \
+         programmed, as Felix does; --ip-forwarding disabled leaves the two forwarding knobs alone):"
+    );
+    for (key, was) in NODE_SETTINGS.iter().zip(&before) {
+        println!("  {key:<34}{was} -> {}", sysctl(&ns.0, key));
+    }
     println!("objects held, by kind:");
     let mut kinds: Vec<_> = st.objects.iter().collect();
     kinds.sort();
@@ -229,7 +257,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     }
     println!(
         "(the workload's interface does not exist in the sandbox, so no route to it is \
-         programmed; untracked and pre-DNAT policy, VXLAN, WireGuard and XDP are the next issues: \
+         programmed; routes between nodes, VXLAN, WireGuard and XDP are the next issues: \
          validated and held, not yet written to the kernel)"
     );
     drop(replies);
