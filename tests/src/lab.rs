@@ -79,6 +79,9 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
         ],
     )?;
     if s.v6.is_some() {
+        // Calico's CNI turns DAD off on both ends (cni-plugin/pkg/dataplane/
+        // linux/dataplane_linux.go: the container's eth0 and the host veth),
+        // per interface: the plugin's job, not the daemon's.
         let dad = |dev: &str| format!("net.ipv6.conf.{dev}.accept_dad=0");
         host.run("sysctl", &["-qw", &dad(iface)])?;
         wl.run("sysctl", &["-qw", &dad("eth0")])?;
