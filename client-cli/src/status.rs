@@ -54,6 +54,14 @@ pub fn render(s: &v1::DataplaneStatus) -> String {
     for (kind, n) in kinds {
         out.push_str(&format!("  {kind:<24}{n}\n"));
     }
+    if !s.details.is_empty() {
+        out.push_str("details:\n");
+        let mut details: Vec<_> = s.details.iter().collect();
+        details.sort();
+        for (k, v) in details {
+            out.push_str(&format!("  {k:<32}{v}\n"));
+        }
+    }
     out
 }
 

@@ -106,6 +106,9 @@ pub struct Status {
     pub last_error: Option<String>,
     /// How long the last successful applies took (managers and kernel).
     pub apply: ApplySummary,
+    /// What managers and backends report after each apply (routes, VXLAN
+    /// devices, what waits for what).
+    pub details: BTreeMap<String, String>,
 }
 
 /// Median, 99th percentile and maximum of the last applies, and every
@@ -465,7 +468,19 @@ impl SyncLoop {
         n
     }
 
-    fn on_message(&mut self, session: SessionId, seq: u64, mut update: Update) {
+    fn on_message(&mut self, session: SessionId, seq: u64, update: Update) {
+        self.handle_message(session, seq, update);
+        // Rejected or not, the message is dealt with: the stream learns it
+        // through `Programmed` after the next apply (for a rejected one,
+        // an apply that may have nothing to do), so a stream whose last
+        // messages were refused still ends.
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.highest = Some(s.highest.map_or(seq, |h| h.max(seq)));
+        }
+        self.dirty = true;
+    }
+
+    fn handle_message(&mut self, session: SessionId, seq: u64, mut update: Update) {
         match &mut update {
             Update::InSync => {
                 let sweep_since = self.sessions.get_mut(&session).and_then(|s| {
@@ -537,9 +552,6 @@ impl SyncLoop {
                 }
                 self.dispatch(&update)
             }
-        }
-        if let Some(s) = self.sessions.get_mut(&session) {
-            s.highest = Some(s.highest.map_or(seq, |h| h.max(seq)));
         }
     }
 
@@ -632,6 +644,13 @@ impl SyncLoop {
             }
         }
         let still_dirty = kernel.any_dirty();
+        let details: BTreeMap<String, String> = self
+            .managers
+            .iter()
+            .flat_map(|m| m.status())
+            .chain(kernel.status())
+            .collect();
+        self.status.details = details;
         self.kernel = Some(kernel);
         if let Some(e) = error {
             let wait = self

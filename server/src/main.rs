@@ -12,13 +12,15 @@ use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
-use dphandler_dataplane::backends::routes::{Routes, iproute::IpTool};
+use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
+use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
     endpoints::{EndpointsConfig, EndpointsManager},
     ipsets::IpSetsManager,
+    routes::{RoutesConfig, RoutesManager, VXLAN_V4, VXLAN_V6, VxlanMode},
 };
 use dphandler_dataplane::model::{IpVersion, ipsets::SetNames};
 use dphandler_dataplane::rules::Marks;
@@ -138,9 +140,37 @@ struct ServeArgs {
     /// the API path).
     #[arg(long, env = "DPH_DRY_RUN")]
     dry_run: bool,
-    /// Protocol number of the routes the daemon owns (Felix's is 80).
+    /// Protocol number of the routes that are ours by protocol alone:
+    /// blackholes for local blocks, same-subnet, no-encap and IPIP routes
+    /// (Felix's 80).
     #[arg(long, env = "DPH_ROUTE_PROTOCOL", default_value_t = 80)]
     route_protocol: u8,
+    /// Protocol number of the routes through our own devices (workload
+    /// interfaces, vxlan.calico), which are ours by their device (Felix's
+    /// DeviceRouteProtocol, 3 = boot).
+    #[arg(long, env = "DPH_DEVICE_ROUTE_PROTOCOL", default_value_t = 3)]
+    device_route_protocol: u8,
+    /// This node's name, as the calc graph calls it: tells this node's
+    /// VTEP and host metadata from the other nodes'. Default: the
+    /// kernel's hostname. A ConfigUpdate's `FelixHostname` overrides it.
+    #[arg(long, env = "DPH_HOSTNAME")]
+    hostname: Option<String>,
+    /// VXLAN between nodes: auto (as the calc graph's Encapsulation
+    /// message says), enabled or disabled.
+    #[arg(long, env = "DPH_VXLAN", default_value = "auto")]
+    vxlan: VxlanMode,
+    /// VXLAN network identifier (Felix's VXLANVNI).
+    #[arg(long, env = "DPH_VXLAN_VNI", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..16_777_216))]
+    vxlan_vni: u32,
+    /// VXLAN UDP port (Felix's VXLANPort).
+    #[arg(long, env = "DPH_VXLAN_PORT", default_value_t = 4789, value_parser = clap::value_parser!(u16).range(1..))]
+    vxlan_port: u16,
+    /// MTU of vxlan.calico; default: the parent interface's MTU − 50.
+    #[arg(long, env = "DPH_VXLAN_MTU", value_parser = clap::value_parser!(u32).range(68..65536))]
+    vxlan_mtu: Option<u32>,
+    /// MTU of vxlan-v6.calico; default: the parent interface's MTU − 70.
+    #[arg(long, env = "DPH_VXLAN_MTU_V6", value_parser = clap::value_parser!(u32).range(1280..65536))]
+    vxlan_mtu_v6: Option<u32>,
     /// Seconds between re-reads of our routes (0: never).
     #[arg(long, env = "DPH_ROUTE_REFRESH_SECONDS", default_value_t = 90.0)]
     route_refresh_seconds: f64,
@@ -335,7 +365,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // owning them would mean deleting routes that are not ours.
         bail!("--route-protocol must be 5-255 (0-4 belong to the kernel and admins)");
     }
-    kernel.routes = Some(Routes::new(args.route_protocol, Box::new(IpTool)));
+    let hostname = match &args.hostname {
+        Some(h) if !h.is_empty() => h.clone(),
+        Some(_) => bail!("--hostname must not be empty"),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading the kernel's hostname (give --hostname)")?
+            .trim()
+            .to_string(),
+    };
+    info!(%hostname, vxlan = ?args.vxlan, "this node");
+    if !args.dry_run {
+        kernel.routes = Some(Routes::new(
+            RouteOwnership {
+                exclusive_protocol: args.route_protocol,
+                workload_prefix: args.workload_iface_prefix.clone(),
+                tunnel_devices: vec![VXLAN_V4.into(), VXLAN_V6.into()],
+            },
+            Box::new(RouteNetlink::open().context("opening the routes' netlink socket")?),
+        ));
+        kernel.vxlan = Some(Vxlan::new(
+            &[VXLAN_V4, VXLAN_V6],
+            Box::new(VxlanNetlink::open().context("opening the VXLAN netlink socket")?),
+        ));
+    }
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let node = NodeSettings::new("/proc/sys", args.ip_forwarding, args.ipv6);
     match args.ip_forwarding {
@@ -361,9 +413,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 marks: Marks::default(),
                 failsafe_in: args.failsafe_inbound.0.clone(),
                 failsafe_out: args.failsafe_outbound.0.clone(),
+                device_route_protocol: args.device_route_protocol,
             },
             names.clone(),
         )),
+        Box::new(RoutesManager::new(RoutesConfig {
+            hostname,
+            vxlan: args.vxlan,
+            vni: args.vxlan_vni,
+            port: args.vxlan_port,
+            mtu: args.vxlan_mtu,
+            mtu_v6: args.vxlan_mtu_v6,
+            device_protocol: args.device_route_protocol,
+            route_protocol: args.route_protocol,
+            ipv6: args.ipv6,
+        })),
     ];
     let (kernel, managers) = if args.dry_run {
         warn!("--dry-run: nothing will be programmed in the kernel");

@@ -9,13 +9,16 @@
 
 pub mod ipsets;
 pub mod iptables;
+pub mod netlink;
 pub mod recording;
 pub mod routes;
 pub mod sysctl;
+pub mod vxlan;
 
 use std::time::Duration;
 
-/// Order of the apply phases (Felix's `apply()`): IP sets are created and
+/// Order of the apply phases (Felix's `apply()`): devices that routes go
+/// through (VXLAN) first; IP sets are created and
 /// updated before the tables that reference them; routes and rules run
 /// beside them; tables next; IP-set deletions once nothing references the
 /// sets; node-wide settings (global forwarding) last, so that forwarding
@@ -23,6 +26,7 @@ use std::time::Duration;
 /// apply before it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
+    Links,
     IpSetUpdates,
     RoutesAndRules,
     Tables,
@@ -31,7 +35,8 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 5] = [
+    pub const ALL: [Phase; 6] = [
+        Phase::Links,
         Phase::IpSetUpdates,
         Phase::RoutesAndRules,
         Phase::Tables,
@@ -82,6 +87,16 @@ pub enum BackendError {
     Parse {
         backend: &'static str,
         reason: String,
+    },
+    /// A netlink request failed (the kernel's errno is in `source`).
+    /// Usually transient (a device that just went away): retried after a
+    /// fresh read.
+    #[error("{backend}: {context}")]
+    Netlink {
+        backend: &'static str,
+        context: String,
+        #[source]
+        source: rtnetlink::Error,
     },
     /// A failure scripted by a recording backend (tests only).
     #[error("{backend}: scripted failure on call {call}")]
@@ -200,6 +215,11 @@ pub trait Backend: Send {
     /// Bring the kernel to the desired state for `phase`. Blocking I/O is
     /// allowed.
     fn apply(&mut self, phase: Phase) -> Result<ApplyOutcome, BackendError>;
+    /// What this backend reports in status (`GetStatus` details), as
+    /// (key, value) pairs.
+    fn status(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
 }
 
 /// All backend objects, filled by the managers during
@@ -212,7 +232,9 @@ pub struct DesiredKernel {
     pub ipsets: Vec<ipsets::IpSets>,
     /// The iptables tables, per IP version.
     pub tables: Vec<iptables::Table>,
-    /// Routes and neighbours to workloads.
+    /// VXLAN devices (before the routes through them).
+    pub vxlan: Option<vxlan::Vxlan>,
+    /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
     /// Per-interface settings of workload interfaces.
     pub sysctls: Option<sysctl::Sysctls>,
@@ -230,6 +252,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .iter()
                     .map(|b| b.name())
                     .chain(self.tables.iter().map(|b| b.name()))
+                    .chain(self.vxlan.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
                     .chain(self.sysctls.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
@@ -245,6 +268,7 @@ impl DesiredKernel {
             .iter_mut()
             .map(|b| b as &mut dyn Backend)
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(
@@ -257,6 +281,7 @@ impl DesiredKernel {
     pub fn is_empty(&self) -> bool {
         self.ipsets.is_empty()
             && self.tables.is_empty()
+            && self.vxlan.is_none()
             && self.routes.is_none()
             && self.sysctls.is_none()
             && self.others.is_empty()
@@ -265,6 +290,11 @@ impl DesiredKernel {
     pub fn any_dirty(&mut self) -> bool {
         self.backends_mut()
             .any(|b| b.phases().iter().any(|p| b.is_dirty(*p)))
+    }
+
+    /// Every backend's status pairs.
+    pub fn status(&mut self) -> Vec<(String, String)> {
+        self.backends_mut().flat_map(|b| b.status()).collect()
     }
 
     pub fn request_resync(&mut self, refresh: Refresh) {

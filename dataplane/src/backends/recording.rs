@@ -48,6 +48,7 @@ impl RecordingBackend {
             Self {
                 name,
                 phase: match phase {
+                    Phase::Links => &[Phase::Links],
                     Phase::IpSetUpdates => &[Phase::IpSetUpdates],
                     Phase::RoutesAndRules => &[Phase::RoutesAndRules],
                     Phase::Tables => &[Phase::Tables],

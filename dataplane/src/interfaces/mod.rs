@@ -13,7 +13,13 @@ use ipnet::IpNet;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InterfaceEvent {
     /// A link exists with this state (sent for new links and for changes).
-    Link { index: u32, name: String, up: bool },
+    Link {
+        index: u32,
+        name: String,
+        up: bool,
+        /// 0 when the kernel did not say.
+        mtu: u32,
+    },
     /// A link is gone.
     LinkRemoved { index: u32, name: String },
     /// An address was added to (or is present on) link `index`.

@@ -134,6 +134,14 @@ fn translate(msg: RouteNetlinkMessage) -> Vec<InterfaceEvent> {
                 name,
                 up: l.header.flags.contains(LinkFlags::Up)
                     && l.header.flags.contains(LinkFlags::Running),
+                mtu: l
+                    .attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        LinkAttribute::Mtu(m) => Some(*m),
+                        _ => None,
+                    })
+                    .unwrap_or(0),
             })
             .into_iter()
             .collect(),

@@ -487,6 +487,7 @@ mod tests {
             index,
             name: name.into(),
             up: true,
+            mtu: 1500,
         };
         let addr = |index, a: &str| E::AddrAdded {
             index,

@@ -6,6 +6,7 @@
 pub mod endpoints;
 pub mod ipsets;
 pub mod nat;
+pub mod routes;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
@@ -50,6 +51,11 @@ pub trait Manager: Send {
     /// After an apply that left nothing dirty: status changes to report
     /// (e.g. an endpoint that went up or down), each once.
     fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+        Vec::new()
+    }
+    /// What this manager reports in status (`GetStatus` details): (key,
+    /// value) pairs, e.g. what it is waiting for.
+    fn status(&self) -> Vec<(String, String)> {
         Vec::new()
     }
 }

@@ -10,6 +10,7 @@ pub mod endpoints;
 pub mod ipsets;
 pub mod network;
 pub mod policy;
+pub mod routes;
 
 use std::fmt;
 use std::net::IpAddr;
@@ -181,7 +182,7 @@ impl fmt::Display for IfaceName {
 }
 
 /// An Ethernet address.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MacAddr(pub [u8; 6]);
 
 impl MacAddr {

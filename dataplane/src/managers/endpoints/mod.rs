@@ -52,6 +52,8 @@ use std::net::IpAddr;
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
+use crate::backends::routes::RouteSource;
+use crate::model::routes::{RouteClass, RouteKey, RouteKind, RouteTarget};
 use crate::backends::iptables::{Rule, RuleError};
 use crate::model::ipsets::SetNames;
 use crate::model::{
@@ -77,6 +79,9 @@ pub struct EndpointsConfig {
     /// reaching the host, and leaving it.
     pub failsafe_in: Ports,
     pub failsafe_out: Ports,
+    /// Protocol of the routes to workloads (Felix's DeviceRouteProtocol,
+    /// 3 = `boot`): they are ours by their interface, not their protocol.
+    pub device_route_protocol: u8,
 }
 
 /// (protocol, port) pairs.
@@ -383,8 +388,8 @@ impl EndpointsManager {
     fn routes(
         &self,
     ) -> (
-        BTreeMap<ipnet::IpNet, String>,
-        BTreeSet<crate::backends::routes::Neighbour>,
+        BTreeMap<RouteKey, RouteTarget>,
+        BTreeSet<crate::model::routes::Neighbour>,
     ) {
         let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
         for ep in self.endpoints.values() {
@@ -398,15 +403,26 @@ impl EndpointsManager {
                 .map(|n| ipnet::IpNet::V4(*n))
                 .chain(ep.ipv6_nets.iter().map(|n| ipnet::IpNet::V6(*n)));
             for net in nets {
-                routes.insert(net, dev.to_string());
+                routes.insert(
+                    RouteKey::main(net),
+                    RouteTarget {
+                        class: RouteClass::LocalWorkload,
+                        kind: RouteKind::Unicast,
+                        dev: Some(dev.to_string()),
+                        gateway: None,
+                        onlink: false,
+                        protocol: self.cfg.device_route_protocol,
+                        mtu: None,
+                    },
+                );
                 if let Some(mac) = &ep.mac
                     && matches!(net, ipnet::IpNet::V4(_))
                     && net.prefix_len() == net.max_prefix_len()
                 {
-                    neighbours.insert(crate::backends::routes::Neighbour {
+                    neighbours.insert(crate::model::routes::Neighbour {
                         addr: net.addr(),
                         dev: dev.to_string(),
-                        mac: mac.to_string(),
+                        mac: *mac,
                     });
                 }
             }
@@ -530,7 +546,9 @@ impl Manager for EndpointsManager {
     fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
         use crate::interfaces::InterfaceEvent as E;
         match event {
-            E::Link { index, name, up } => {
+            E::Link {
+                index, name, up, ..
+            } => {
                 if let Some(old) = self.ifaces.insert(*index, name.clone())
                     && old != *name
                 {
@@ -669,7 +687,7 @@ impl Manager for EndpointsManager {
         if d.all || d.routes {
             if let Some(r) = &mut kernel.routes {
                 let (routes, neighbours) = self.routes();
-                r.set(routes, neighbours);
+                r.set(RouteSource::Workloads, routes, neighbours);
             }
             if let Some(sc) = &mut kernel.sysctls {
                 let ipv6 = kernel.tables.iter().any(|t| t.version() == IpVersion::V6);

@@ -11,6 +11,7 @@ fn mgr() -> EndpointsManager {
             marks: Marks::default(),
             failsafe_in: default_failsafe().0,
             failsafe_out: default_failsafe().1,
+            device_route_protocol: 3,
         },
         SetNames::new("dph").unwrap(),
     )
@@ -287,6 +288,7 @@ fn link(m: &mut EndpointsManager, index: u32, name: &str, addr: &str) {
         index,
         name: name.into(),
         up: true,
+        mtu: 1500,
     });
     m.on_interface(&E::AddrAdded {
         index,

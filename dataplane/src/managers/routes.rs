@@ -1,0 +1,724 @@
+//! Pod traffic between nodes (Felix's `route_mgr.go`, `vxlan_mgr.go` and
+//! `noencap_mgr.go` in one): `RouteUpdate`s become routes to other nodes'
+//! IPAM blocks and blackholes for this node's; `VXLANTunnelEndpointUpdate`s
+//! become the VXLAN devices and, per remote VTEP, a permanent neighbour
+//! and an FDB entry. No I/O: everything is queued into the routes and VXLAN
+//! backends.
+//!
+//! Per IP version, a `RouteUpdate` of a VXLAN pool (while VXLAN is on for
+//! that version) to another node's block becomes
+//! - `<block> via <node IP> dev <parent> onlink proto 80` when the calc
+//!   graph says the node is in our subnet (`same_subnet`) and we know our
+//!   parent interface;
+//! - otherwise `<block> via <its VTEP IP> dev vxlan.calico onlink mtu M`
+//!   (proto 3), or a device route on `vxlan.calico` for a remote tunnel
+//!   address or a borrowed one;
+//!
+//! a `RouteUpdate` of a no-encap pool (while the calc graph says no-encap
+//! is in use) becomes `<block> via <node IP> dev <parent> onlink proto 80`;
+//! one of an IPIP pool `<block> via <node IP> dev tunl0 onlink proto 80`
+//! where the kernel has `tunl0` (reported otherwise); and a local block
+//! (`LOCAL_WORKLOAD`, not a single address, not a workload's own) of a pool
+//! whose routing is on becomes `blackhole <block> proto 80`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use tracing::{debug, info};
+
+use super::{Manager, ManagerError};
+use crate::backends::DesiredKernel;
+use crate::backends::routes::RouteSource;
+use crate::interfaces::InterfaceEvent;
+use crate::model::routes::{
+    FdbEntry, Neighbour, RouteClass, RouteKey, RouteKind, RouteTarget, VxlanDevice,
+};
+use crate::model::{
+    Encapsulation, HostMetadata, Id, IpVersion, Key, Kind, MacAddr, Route, Update,
+    ValidationError, Vtep,
+};
+
+/// `RouteType` bits of `RouteUpdate.types`.
+pub const REMOTE_WORKLOAD: u32 = 1;
+pub const LOCAL_WORKLOAD: u32 = 4;
+pub const REMOTE_TUNNEL: u32 = 16;
+
+/// `IPPoolType` of `RouteUpdate.ip_pool_type`.
+pub const POOL_NO_ENCAP: i32 = 1;
+pub const POOL_VXLAN: i32 = 2;
+pub const POOL_IPIP: i32 = 3;
+
+pub const VXLAN_V4: &str = "vxlan.calico";
+pub const VXLAN_V6: &str = "vxlan-v6.calico";
+pub const IPIP_DEVICE: &str = "tunl0";
+
+/// `--vxlan`: on, off, or as the calc graph's `Encapsulation` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VxlanMode {
+    #[default]
+    Auto,
+    Enabled,
+    Disabled,
+}
+
+impl std::str::FromStr for VxlanMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "enabled" | "true" | "on" => Ok(Self::Enabled),
+            "disabled" | "false" | "off" => Ok(Self::Disabled),
+            _ => Err(format!("{s:?}: expected auto, enabled or disabled")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutesConfig {
+    /// This node's name (`--hostname`; `FelixHostname` in a ConfigUpdate
+    /// overrides it).
+    pub hostname: String,
+    pub vxlan: VxlanMode,
+    pub vni: u32,
+    pub port: u16,
+    /// VXLAN device MTU; `None`: the parent's MTU − 50 (− 70 for IPv6).
+    pub mtu: Option<u32>,
+    pub mtu_v6: Option<u32>,
+    /// Protocol of routes through our devices (Felix's DeviceRouteProtocol).
+    pub device_protocol: u8,
+    /// Protocol of blackhole, same-subnet, no-encap and IPIP routes (ours
+    /// by protocol alone).
+    pub route_protocol: u8,
+    pub ipv6: bool,
+}
+
+impl Default for RoutesConfig {
+    fn default() -> Self {
+        Self {
+            hostname: String::new(),
+            vxlan: VxlanMode::Auto,
+            vni: 4096,
+            port: 4789,
+            mtu: None,
+            mtu_v6: None,
+            device_protocol: 3,
+            route_protocol: 80,
+            ipv6: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct LinkInfo {
+    name: String,
+    mtu: u32,
+    addrs: BTreeSet<IpNet>,
+}
+
+#[derive(Debug)]
+pub struct RoutesManager {
+    cfg: RoutesConfig,
+    /// From a ConfigUpdate's `FelixHostname`.
+    hostname_override: Option<String>,
+    routes: BTreeMap<IpNet, Route>,
+    vteps: BTreeMap<Id, Vtep>,
+    hosts: BTreeMap<Id, HostMetadata>,
+    encap: Encapsulation,
+    links: BTreeMap<u32, LinkInfo>,
+    link_events: Vec<InterfaceEvent>,
+    dirty: bool,
+    /// What the last pass could not program, and why (for status).
+    waiting: Vec<String>,
+    counts: BTreeMap<&'static str, usize>,
+    vxlan_state: BTreeMap<&'static str, String>,
+}
+
+fn is_type(r: &Route, t: u32) -> bool {
+    r.types & t == t
+}
+
+fn is_host_prefix(n: &IpNet) -> bool {
+    n.prefix_len() == n.max_prefix_len()
+}
+
+fn version_of(n: &IpNet) -> IpVersion {
+    match n {
+        IpNet::V4(_) => IpVersion::V4,
+        IpNet::V6(_) => IpVersion::V6,
+    }
+}
+
+/// A MAC that can be a VTEP's: unicast and not all zeros.
+fn check_mac(mac: &MacAddr, field: &str) -> Result<(), ValidationError> {
+    if mac.0 == [0; 6] || mac.0[0] & 1 == 1 {
+        return Err(ValidationError::new(
+            field,
+            format!("{mac} is not a unicast MAC address; a VTEP needs one"),
+        ));
+    }
+    Ok(())
+}
+
+impl RoutesManager {
+    pub fn new(cfg: RoutesConfig) -> Self {
+        Self {
+            cfg,
+            hostname_override: None,
+            routes: BTreeMap::new(),
+            vteps: BTreeMap::new(),
+            hosts: BTreeMap::new(),
+            encap: Encapsulation::default(),
+            links: BTreeMap::new(),
+            link_events: Vec::new(),
+            dirty: true,
+            waiting: Vec::new(),
+            counts: BTreeMap::new(),
+            vxlan_state: BTreeMap::new(),
+        }
+    }
+
+    pub fn hostname(&self) -> &str {
+        self.hostname_override
+            .as_deref()
+            .unwrap_or(&self.cfg.hostname)
+    }
+
+    fn vxlan_on(&self, v: IpVersion) -> bool {
+        match self.cfg.vxlan {
+            VxlanMode::Enabled => v == IpVersion::V4 || self.cfg.ipv6,
+            VxlanMode::Disabled => false,
+            VxlanMode::Auto => match v {
+                IpVersion::V4 => self.encap.vxlan_enabled,
+                IpVersion::V6 => self.cfg.ipv6 && self.encap.vxlan_enabled_v6,
+            },
+        }
+    }
+
+    /// Whether routes of this pool type are ours to program.
+    fn pool_on(&self, pool: i32, v: IpVersion) -> bool {
+        match pool {
+            POOL_VXLAN => self.vxlan_on(v),
+            POOL_NO_ENCAP => self.encap.no_encap_enabled,
+            POOL_IPIP => self.encap.ipip_enabled && v == IpVersion::V4,
+            _ => false,
+        }
+    }
+
+    fn link_holding(&self, ip: IpAddr) -> Option<&LinkInfo> {
+        self.links
+            .values()
+            .find(|l| l.addrs.iter().any(|a| a.addr() == ip))
+    }
+
+    fn link_named(&self, name: &str) -> Option<&LinkInfo> {
+        self.links.values().find(|l| l.name == name)
+    }
+
+    fn local_vtep(&self) -> Option<&Vtep> {
+        self.vteps
+            .iter()
+            .find(|(n, _)| n.as_str() == self.hostname())
+            .map(|(_, v)| v)
+    }
+
+    /// (VTEP IP, MAC, parent IP) of a VTEP for one IP version.
+    fn vtep_addrs(v: &Vtep, ver: IpVersion) -> Option<(IpAddr, MacAddr, IpAddr)> {
+        match ver {
+            IpVersion::V4 => Some((v.ipv4_addr?, v.mac?, v.parent_device_ip?)),
+            IpVersion::V6 => Some((v.ipv6_addr?, v.mac_v6?, v.parent_device_ipv6?)),
+        }
+    }
+
+    /// The underlay interface for one IP version: the one holding our
+    /// VTEP's parent address, else the one holding this node's address
+    /// (HostMetadata).
+    fn parent(&self, ver: IpVersion) -> Option<(&LinkInfo, IpAddr)> {
+        if let Some((_, _, ip)) = self.local_vtep().and_then(|v| Self::vtep_addrs(v, ver))
+            && let Some(l) = self.link_holding(ip)
+        {
+            return Some((l, ip));
+        }
+        let host = self
+            .hosts
+            .iter()
+            .find(|(n, _)| n.as_str() == self.hostname())
+            .map(|(_, h)| h)?;
+        let ip = match ver {
+            IpVersion::V4 => host.ipv4_addr?,
+            IpVersion::V6 => host.ipv6_addr?,
+        };
+        self.link_holding(ip).map(|l| (l, ip))
+    }
+
+    fn device_name(ver: IpVersion) -> &'static str {
+        match ver {
+            IpVersion::V4 => VXLAN_V4,
+            IpVersion::V6 => VXLAN_V6,
+        }
+    }
+
+    /// The VXLAN device for one version: `Ok(None)` = must not exist,
+    /// `Err(reason)` = cannot say yet (leave it as it is).
+    fn vxlan_device(&self, ver: IpVersion) -> Result<Option<VxlanDevice>, String> {
+        if !self.vxlan_on(ver) {
+            return Ok(None);
+        }
+        let Some((addr, mac, parent_ip)) = self.local_vtep().and_then(|v| Self::vtep_addrs(v, ver))
+        else {
+            return Err(format!(
+                "waiting for this node's VTEP ({}) with an {ver:?} address",
+                self.hostname()
+            ));
+        };
+        let Some(parent) = self.link_holding(parent_ip) else {
+            return Err(format!(
+                "waiting for an interface holding the VTEP parent address {parent_ip}"
+            ));
+        };
+        let (cfg_mtu, overhead) = match ver {
+            IpVersion::V4 => (self.cfg.mtu, 50),
+            IpVersion::V6 => (self.cfg.mtu_v6, 70),
+        };
+        let mtu = cfg_mtu.unwrap_or_else(|| parent.mtu.saturating_sub(overhead).max(68));
+        Ok(Some(VxlanDevice {
+            name: Self::device_name(ver).into(),
+            vni: self.cfg.vni,
+            port: self.cfg.port,
+            mac,
+            parent: parent.name.clone(),
+            local: parent_ip,
+            mtu,
+            addr,
+        }))
+    }
+
+    fn target(
+        &self,
+        class: RouteClass,
+        dev: &str,
+        gateway: Option<IpAddr>,
+        protocol: u8,
+        mtu: Option<u32>,
+    ) -> RouteTarget {
+        RouteTarget {
+            class,
+            kind: RouteKind::Unicast,
+            dev: Some(dev.into()),
+            gateway,
+            onlink: gateway.is_some(),
+            protocol,
+            mtu,
+        }
+    }
+
+    /// The route for one RouteUpdate, or why there is none.
+    fn route_for(
+        &self,
+        r: &Route,
+        devices: &BTreeMap<IpVersion, VxlanDevice>,
+    ) -> Result<Option<RouteTarget>, String> {
+        let ver = version_of(&r.dst);
+        if !self.pool_on(r.ip_pool_type, ver) {
+            return Ok(None);
+        }
+        let rp = self.cfg.route_protocol;
+        if is_type(r, LOCAL_WORKLOAD) {
+            if r.local_workload || is_host_prefix(&r.dst) {
+                return Ok(None); // a workload's own route: endpoints manager
+            }
+            return Ok(Some(RouteTarget {
+                class: RouteClass::Blackhole,
+                kind: RouteKind::Blackhole,
+                dev: None,
+                gateway: None,
+                onlink: false,
+                protocol: rp,
+                mtu: None,
+            }));
+        }
+        let remote_tunnel = is_type(r, REMOTE_TUNNEL) && (is_type(r, REMOTE_WORKLOAD) || r.borrowed);
+        if !is_type(r, REMOTE_WORKLOAD) && !remote_tunnel {
+            return Ok(None);
+        }
+        let parent = self.parent(ver);
+        match r.ip_pool_type {
+            POOL_VXLAN => {
+                if r.same_subnet
+                    && let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent)
+                {
+                    return Ok(Some(self.target(
+                        RouteClass::VxlanSameSubnet,
+                        &p.name,
+                        Some(gw),
+                        rp,
+                        None,
+                    )));
+                }
+                let Some(dev) = devices.get(&ver) else {
+                    return Err(format!("{}: no VXLAN device yet", r.dst));
+                };
+                let dp = self.cfg.device_protocol;
+                if remote_tunnel {
+                    return Ok(Some(self.target(
+                        RouteClass::VxlanTunnel,
+                        &dev.name,
+                        None,
+                        dp,
+                        Some(dev.mtu),
+                    )));
+                }
+                let node = r.dst_node_name.as_ref().map(Id::as_str).unwrap_or("");
+                let vtep = self
+                    .vteps
+                    .iter()
+                    .find(|(n, _)| n.as_str() == node)
+                    .and_then(|(_, v)| Self::vtep_addrs(v, ver));
+                let Some((gw, _, _)) = vtep else {
+                    return Err(format!(
+                        "{}: waiting for the VTEP of node {node:?}",
+                        r.dst
+                    ));
+                };
+                Ok(Some(self.target(
+                    RouteClass::VxlanTunnel,
+                    &dev.name,
+                    Some(gw),
+                    dp,
+                    Some(dev.mtu),
+                )))
+            }
+            POOL_NO_ENCAP => {
+                let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent) else {
+                    return Err(format!(
+                        "{}: no-encap route needs dst_node_ip and this node's interface",
+                        r.dst
+                    ));
+                };
+                Ok(Some(self.target(
+                    RouteClass::NoEncap,
+                    &p.name,
+                    Some(gw),
+                    rp,
+                    None,
+                )))
+            }
+            POOL_IPIP => {
+                let Some(gw) = r.dst_node_ip else {
+                    return Err(format!("{}: IPIP route without dst_node_ip", r.dst));
+                };
+                if r.same_subnet
+                    && let Some((p, _)) = parent
+                {
+                    return Ok(Some(self.target(
+                        RouteClass::IpipSameSubnet,
+                        &p.name,
+                        Some(gw),
+                        rp,
+                        None,
+                    )));
+                }
+                if self.link_named(IPIP_DEVICE).is_none() {
+                    return Err(format!(
+                        "{}: IPIP needs {IPIP_DEVICE}, which this kernel does not have (no ipip module)",
+                        r.dst
+                    ));
+                }
+                Ok(Some(self.target(
+                    RouteClass::IpipTunnel,
+                    IPIP_DEVICE,
+                    Some(gw),
+                    rp,
+                    None,
+                )))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Blocks (not single addresses) of `dst`'s version that overlap `dst`
+    /// without being it, and whose owner differs.
+    fn overlapping(&self, r: &Route) -> Option<&Route> {
+        if is_host_prefix(&r.dst) {
+            return None;
+        }
+        self.routes.values().find(|o| {
+            o.dst != r.dst
+                && !is_host_prefix(&o.dst)
+                && (o.dst.contains(&r.dst) || r.dst.contains(&o.dst))
+                && o.dst_node_name != r.dst_node_name
+        })
+    }
+}
+
+impl Manager for RoutesManager {
+    fn name(&self) -> &'static str {
+        "routes"
+    }
+
+    fn check(&self, update: &Update) -> Result<(), ValidationError> {
+        match update {
+            Update::Route(r) => {
+                if let Some(o) = self.overlapping(r) {
+                    return Err(ValidationError::new(
+                        "route_update.dst",
+                        format!(
+                            "block {} overlaps block {} of node {:?}; IPAM blocks of different nodes cannot overlap",
+                            r.dst,
+                            o.dst,
+                            o.dst_node_name.as_ref().map(Id::as_str).unwrap_or("")
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            Update::Vtep(v) => {
+                if v.ipv4_addr.is_some() {
+                    let mac = v.mac.ok_or_else(|| {
+                        ValidationError::new("vtep_update.mac", "a VTEP with an IPv4 address needs a MAC")
+                    })?;
+                    check_mac(&mac, "vtep_update.mac")?;
+                    if v.parent_device_ip.is_none() {
+                        return Err(ValidationError::new(
+                            "vtep_update.parent_device_ip",
+                            "a VTEP with an IPv4 address needs its parent device's IP",
+                        ));
+                    }
+                }
+                if v.ipv6_addr.is_some() {
+                    let mac = v.mac_v6.ok_or_else(|| {
+                        ValidationError::new(
+                            "vtep_update.mac_v6",
+                            "a VTEP with an IPv6 address needs a MAC",
+                        )
+                    })?;
+                    check_mac(&mac, "vtep_update.mac_v6")?;
+                    if v.parent_device_ipv6.is_none() {
+                        return Err(ValidationError::new(
+                            "vtep_update.parent_device_ipv6",
+                            "a VTEP with an IPv6 address needs its parent device's IPv6",
+                        ));
+                    }
+                }
+                if v.ipv4_addr.is_none() && v.ipv6_addr.is_none() {
+                    return Err(ValidationError::new(
+                        "vtep_update",
+                        "a VTEP needs an IPv4 or an IPv6 address",
+                    ));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn on_update(&mut self, update: &Update) {
+        match update {
+            Update::Route(r) => {
+                self.routes.insert(r.dst, r.clone());
+            }
+            Update::Vtep(v) => {
+                self.vteps.insert(v.node.clone(), v.clone());
+            }
+            Update::HostMetadata(h) => {
+                self.hosts.insert(h.hostname.clone(), h.clone());
+            }
+            Update::Encapsulation(e) => self.encap = *e,
+            Update::Config(kv) => {
+                let h = kv
+                    .iter()
+                    .find(|(k, _)| k == "FelixHostname")
+                    .map(|(_, v)| v.clone())
+                    .filter(|v| !v.is_empty());
+                if h != self.hostname_override {
+                    info!(hostname = ?h, "this node's name from ConfigUpdate");
+                    self.hostname_override = h;
+                }
+            }
+            Update::Remove(Key::Route(dst)) => {
+                self.routes.remove(dst);
+            }
+            Update::Remove(Key::Vtep(node)) => {
+                self.vteps.remove(node);
+            }
+            Update::Remove(Key::HostMetadata(h)) => {
+                self.hosts.remove(h);
+            }
+            Update::Remove(k) if k.kind() == Kind::Route => {}
+            _ => return,
+        }
+        self.dirty = true;
+    }
+
+    fn on_interface(&mut self, event: &InterfaceEvent) {
+        match event {
+            InterfaceEvent::Link {
+                index, name, mtu, ..
+            } => {
+                let l = self.links.entry(*index).or_insert_with(|| LinkInfo {
+                    name: name.clone(),
+                    mtu: *mtu,
+                    addrs: BTreeSet::new(),
+                });
+                l.name = name.clone();
+                l.mtu = *mtu;
+            }
+            InterfaceEvent::LinkRemoved { index, .. } => {
+                self.links.remove(index);
+            }
+            InterfaceEvent::AddrAdded { index, addr } => {
+                if let Some(l) = self.links.get_mut(index) {
+                    l.addrs.insert(*addr);
+                }
+            }
+            InterfaceEvent::AddrRemoved { index, addr } => {
+                if let Some(l) = self.links.get_mut(index) {
+                    l.addrs.remove(addr);
+                }
+            }
+            InterfaceEvent::InSync => {}
+        }
+        if matches!(
+            event,
+            InterfaceEvent::Link { .. } | InterfaceEvent::LinkRemoved { .. }
+        ) {
+            self.link_events.push(event.clone());
+        }
+        self.dirty = true;
+    }
+
+    fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        if let Some(routes) = &mut kernel.routes {
+            for e in self.link_events.drain(..) {
+                match e {
+                    InterfaceEvent::Link { index, name, .. } => routes.link_added(index, &name),
+                    InterfaceEvent::LinkRemoved { index, name } => {
+                        routes.link_removed(index, &name)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !self.dirty {
+            return Ok(());
+        }
+        self.dirty = false;
+        let mut waiting = Vec::new();
+        let versions: Vec<IpVersion> = if self.cfg.ipv6 {
+            vec![IpVersion::V4, IpVersion::V6]
+        } else {
+            vec![IpVersion::V4]
+        };
+        // VXLAN devices.
+        let mut devices = BTreeMap::new();
+        for &ver in &versions {
+            let name = Self::device_name(ver);
+            match self.vxlan_device(ver) {
+                Ok(dev) => {
+                    self.vxlan_state.insert(
+                        name,
+                        match &dev {
+                            Some(d) => format!(
+                                "vni {} port {} parent {} local {} mtu {} addr {} mac {}",
+                                d.vni, d.port, d.parent, d.local, d.mtu, d.addr, d.mac
+                            ),
+                            None => "off".into(),
+                        },
+                    );
+                    if let Some(d) = &dev {
+                        devices.insert(ver, d.clone());
+                    }
+                    if let Some(v) = &mut kernel.vxlan {
+                        v.set(name, dev);
+                    }
+                }
+                Err(why) => {
+                    self.vxlan_state.insert(name, why.clone());
+                    waiting.push(format!("{name}: {why}"));
+                }
+            }
+        }
+        // VTEP neighbours and FDB entries.
+        let (mut neighbours, mut fdb) = (BTreeSet::new(), BTreeSet::new());
+        for (node, v) in &self.vteps {
+            if node.as_str() == self.hostname() {
+                continue;
+            }
+            for (ver, dev) in &devices {
+                if let Some((ip, mac, parent_ip)) = Self::vtep_addrs(v, *ver) {
+                    neighbours.insert(Neighbour {
+                        dev: dev.name.clone(),
+                        addr: ip,
+                        mac,
+                    });
+                    fdb.insert(FdbEntry {
+                        dev: dev.name.clone(),
+                        mac,
+                        dst: parent_ip,
+                    });
+                }
+            }
+        }
+        // Routes.
+        let mut routes = BTreeMap::new();
+        let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
+        for r in self.routes.values() {
+            if !versions.contains(&version_of(&r.dst)) {
+                continue;
+            }
+            match self.route_for(r, &devices) {
+                Ok(Some(t)) => {
+                    *counts
+                        .entry(match t.class {
+                            RouteClass::Blackhole => "blackhole",
+                            RouteClass::VxlanTunnel => "vxlan",
+                            RouteClass::VxlanSameSubnet => "vxlan_same_subnet",
+                            RouteClass::NoEncap => "no_encap",
+                            RouteClass::IpipTunnel => "ipip",
+                            RouteClass::IpipSameSubnet => "ipip_same_subnet",
+                            RouteClass::LocalWorkload => "workload",
+                        })
+                        .or_default() += 1;
+                    routes.insert(RouteKey::main(r.dst), t);
+                }
+                Ok(None) => {}
+                Err(why) => waiting.push(why),
+            }
+        }
+        *counts.entry("vteps").or_default() = neighbours.len();
+        debug!(routes = routes.len(), neighbours = neighbours.len(), waiting = waiting.len(), "cluster routes");
+        if let Some(k) = &mut kernel.routes {
+            k.set(RouteSource::Cluster, routes, neighbours);
+            k.set_fdb(fdb);
+        }
+        if waiting != self.waiting && !waiting.is_empty() {
+            info!(?waiting, "routes and devices that cannot be programmed yet");
+        }
+        self.waiting = waiting;
+        self.counts = counts;
+        Ok(())
+    }
+
+    fn status(&self) -> Vec<(String, String)> {
+        let mut out = vec![("node".to_string(), self.hostname().to_string())];
+        for (dev, s) in &self.vxlan_state {
+            out.push((format!("vxlan.{dev}"), s.clone()));
+        }
+        for (k, n) in &self.counts {
+            out.push((format!("routes.{k}"), n.to_string()));
+        }
+        for (i, w) in self.waiting.iter().enumerate().take(20) {
+            out.push((format!("routes.waiting.{i}"), w.clone()));
+        }
+        if self.waiting.len() > 20 {
+            out.push((
+                "routes.waiting.more".into(),
+                (self.waiting.len() - 20).to_string(),
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,441 @@
+//! Pod traffic between two nodes. Each node is a namespace of its own with
+//! its own daemon and its own calc-graph feed (what Calico sends that node:
+//! its workloads, every node's VTEP and host metadata, the route to the
+//! other node's block and its own block); the nodes are joined by an
+//! underlay veth pair (`eth0` in each, 172.31.77.1/24 and .2/24). Pods A
+//! (node 1, 10.65.1.2) and B (node 2, 10.65.2.2) are wired as Calico's CNI
+//! wires them. Nothing global is set by the test: forwarding, the VXLAN
+//! device, routes and neighbours are the daemons' to make. All traffic
+//! stays inside the test's namespaces. Needs root.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use dphandler_tests::lab::{Probe, WorkloadSpec, probe, serve, workload, yaml_msgs};
+use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
+
+const PODS: [&str; 2] = ["10.65.1.2", "10.65.2.2"];
+const BLOCKS: [&str; 2] = ["10.65.1.0/26", "10.65.2.0/26"];
+const UNDERLAY: [&str; 2] = ["172.31.77.1", "172.31.77.2"];
+const VTEP_IPS: [&str; 2] = ["10.65.1.0", "10.65.2.0"];
+const VTEP_MACS: [&str; 2] = ["66:6a:00:00:00:01", "66:6a:00:00:00:02"];
+const PROBES: [Probe; 3] = [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp];
+
+/// Pool types and route types of `RouteUpdate` (felixbackend.proto).
+const NO_ENCAP: &str = "NO_ENCAP";
+const VXLAN: &str = "VXLAN";
+const REMOTE_WORKLOAD: u32 = 1;
+const LOCAL_WORKLOAD: u32 = 4;
+
+struct Node {
+    ns: Netns,
+    pod: Netns,
+    _servers: dphandler_tests::lab::Servers,
+}
+
+/// Two nodes joined by an underlay, one pod on each, and a foreign route
+/// in each node's main table that must survive everything.
+fn cluster(tag: &str) -> Result<[Node; 2]> {
+    let n1 = Netns::new(&format!("{tag}1"))?;
+    let n2 = Netns::new(&format!("{tag}2"))?;
+    n1.run(
+        "ip",
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &n2.0,
+        ],
+    )?;
+    let mut nodes = Vec::new();
+    for (i, ns) in [n1, n2].into_iter().enumerate() {
+        ns.run("ip", &["link", "set", "lo", "up"])?;
+        ns.run(
+            "ip",
+            &["addr", "add", &format!("{}/24", UNDERLAY[i]), "dev", "eth0"],
+        )?;
+        ns.run("ip", &["link", "set", "eth0", "up"])?;
+        // Someone else's route (an admin's, another agent's): not ours by
+        // protocol nor by device.
+        ns.run(
+            "ip",
+            &[
+                "route",
+                "add",
+                "198.18.0.0/24",
+                "via",
+                UNDERLAY[1 - i],
+                "proto",
+                "static",
+            ],
+        )?;
+        let iface = if i == 0 { "caliA" } else { "caliB" };
+        let pod = workload(
+            &ns,
+            WorkloadSpec {
+                iface,
+                n: i as u8 + 1,
+                v4: PODS[i],
+                v6: None,
+                host_route: false,
+                host_neigh: false,
+            },
+        )?;
+        let servers = serve(&pod.0, &[80], &[53]);
+        nodes.push(Node {
+            ns,
+            pod,
+            _servers: servers,
+        });
+    }
+    Ok(nodes.try_into().map_err(|_| anyhow::anyhow!("two nodes"))?)
+}
+
+fn route(types: u32, pool: &str, dst: &str, node: usize, extra: &str) -> String {
+    format!(
+        "routeUpdate: {{types: {types}, ipPoolType: {pool}, dst: '{dst}', dstNodeName: node{n}, dstNodeIp: '{ip}'{extra}}}\n",
+        n = node + 1,
+        ip = UNDERLAY[node]
+    )
+}
+
+/// What Calico's calc graph sends node `me` (0 or 1).
+fn feed(me: usize, pool: &str, encap: &str) -> String {
+    let other = 1 - me;
+    let iface = if me == 0 { "caliA" } else { "caliB" };
+    let mut y = format!(
+        "encapsulation: {{{encap}}}\n---\n\
+         activeProfileUpdate:\n  id: {{name: kns.ns}}\n  profile:\n    inboundRules: [{{action: allow}}]\n    outboundRules: [{{action: allow}}]\n---\n\
+         workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/pod{me}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    mac: '02:00:00:00:00:0{}'\n    ipv4Nets: [{}/32]\n    profileIds: [kns.ns]\n---\n",
+        me + 1,
+        PODS[me]
+    );
+    for n in 0..2 {
+        y += &format!(
+            "hostMetadataUpdate: {{hostname: node{}, ipv4Addr: '{}'}}\n---\n",
+            n + 1,
+            UNDERLAY[n]
+        );
+        if pool == VXLAN {
+            y += &format!(
+                "vtepUpdate: {{node: node{}, mac: '{}', ipv4Addr: '{}', parentDeviceIp: '{}'}}\n---\n",
+                n + 1,
+                VTEP_MACS[n],
+                VTEP_IPS[n],
+                UNDERLAY[n]
+            );
+        }
+    }
+    y += &route(LOCAL_WORKLOAD, pool, BLOCKS[me], me, "");
+    y += "---\n";
+    y += &route(
+        LOCAL_WORKLOAD,
+        pool,
+        &format!("{}/32", PODS[me]),
+        me,
+        ", localWorkload: true",
+    );
+    y += "---\n";
+    y += &route(REMOTE_WORKLOAD, pool, BLOCKS[other], other, "");
+    y += "---\ninSync: {}\n";
+    y
+}
+
+/// Starts node `i`'s daemon and pushes its feed; returns the daemon.
+async fn start(node: &Node, i: usize, dir: &std::path::Path, yaml: &str) -> Result<Daemon> {
+    let d = Daemon::start(
+        &node.ns,
+        &dir.join(format!("node{}-{}.sock", i + 1, rand_suffix())),
+        &["--hostname", &format!("node{}", i + 1)],
+    )?;
+    let mut c = d.connect().await?;
+    let (rej, _) = push(&mut c, yaml_msgs(1, yaml)).await?;
+    if !rej.is_empty() {
+        bail!("node{} rejected {rej:?}", i + 1);
+    }
+    Ok(d)
+}
+
+fn rand_suffix() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+fn stdout(ns: &Netns, prog: &str, args: &[&str]) -> Result<String> {
+    Ok(String::from_utf8_lossy(&ns.run(prog, args)?.stdout).into_owned())
+}
+
+/// A packet capture on a node's `eth0`, ended (by PID) on drop.
+struct Capture {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Capture {
+    fn start(ns: &Netns, filter: &str) -> Result<Self> {
+        let mut child = ns
+            .command("tcpdump")
+            .args(["-i", "eth0", "-nn", "-l", "-p", filter])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("tcpdump (apt-get install tcpdump)")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        let err = child.stderr.take().expect("piped");
+        let out = child.stdout.take().expect("piped");
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                if l.contains("listening on") {
+                    let _ = ready_tx.send(());
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if !l.trim().is_empty() {
+                    let _ = tx.send(l);
+                }
+            }
+        });
+        ready
+            .recv_timeout(Duration::from_secs(10))
+            .context("tcpdump did not start listening")?;
+        Ok(Self { child, lines })
+    }
+
+    /// Ends the capture and returns what it printed.
+    fn finish(mut self) -> Vec<String> {
+        std::thread::sleep(Duration::from_millis(300));
+        self.stop();
+        let mut out = Vec::new();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(500)) {
+            out.push(l);
+        }
+        out
+    }
+
+    fn stop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
+    }
+}
+
+fn all_probes(from: &Netns, to: &str) -> Vec<(Probe, bool)> {
+    PROBES.iter().map(|p| (*p, probe(from, to, *p))).collect()
+}
+
+fn assert_all(from: &Netns, to: &str, want: bool, what: &str) {
+    for (p, got) in all_probes(from, to) {
+        assert_eq!(got, want, "{what}: {p:?} to {to}");
+    }
+}
+
+#[tokio::test]
+async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let nodes = cluster("vx")?;
+    let encap = "vxlanEnabled: true";
+    let feeds = [feed(0, VXLAN, encap), feed(1, VXLAN, encap)];
+    let mut daemons = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        daemons.push(Some(start(n, i, dir.path(), &feeds[i]).await?));
+    }
+
+    // What each node programmed.
+    for (i, n) in nodes.iter().enumerate() {
+        let other = 1 - i;
+        let link = stdout(&n.ns, "ip", &["-d", "link", "show", "vxlan.calico"])?;
+        for want in [
+            "vxlan id 4096",
+            &format!("local {}", UNDERLAY[i]),
+            "dev eth0",
+            "dstport 4789",
+            VTEP_MACS[i],
+            "mtu 1450",
+        ] {
+            assert!(link.contains(want), "node{}: {want:?} in {link}", i + 1);
+        }
+        let addr = stdout(&n.ns, "ip", &["-4", "addr", "show", "dev", "vxlan.calico"])?;
+        assert!(addr.contains(&format!("{}/32", VTEP_IPS[i])), "{addr}");
+        let r = stdout(&n.ns, "ip", &["-d", "route", "show", BLOCKS[other]])?;
+        for want in [
+            &format!("via {}", VTEP_IPS[other]),
+            "dev vxlan.calico",
+            "proto boot",
+            "onlink",
+            "mtu 1450",
+        ] {
+            assert!(r.contains(want), "node{} route: {want:?} in {r}", i + 1);
+        }
+        let bh = stdout(&n.ns, "ip", &["route", "show", "type", "blackhole"])?;
+        assert!(
+            bh.contains(&format!("blackhole {} proto 80", BLOCKS[i])),
+            "node{}: {bh}",
+            i + 1
+        );
+        let neigh = stdout(&n.ns, "ip", &["neigh", "show", "dev", "vxlan.calico"])?;
+        assert!(
+            neigh.contains(&format!("{} lladdr {} PERMANENT", VTEP_IPS[other], VTEP_MACS[other])),
+            "{neigh}"
+        );
+        let fdb = stdout(&n.ns, "bridge", &["fdb", "show", "dev", "vxlan.calico"])?;
+        assert!(
+            fdb.contains(&format!("{} dst {} self permanent", VTEP_MACS[other], UNDERLAY[other])),
+            "{fdb}"
+        );
+    }
+
+    // A to B and back, over VXLAN: the underlay carries UDP 4789 and no
+    // pod address in the clear.
+    let vxlan_seen = Capture::start(&nodes[1].ns, "udp dst port 4789")?;
+    let clear = Capture::start(&nodes[1].ns, "net 10.65.0.0/16 and not udp port 4789")?;
+    assert_all(&nodes[0].pod, PODS[1], true, "A -> B");
+    assert_all(&nodes[1].pod, PODS[0], true, "B -> A");
+    let (vx, clear) = (vxlan_seen.finish(), clear.finish());
+    assert!(
+        vx.iter().any(|l| l.contains(&format!("{}.4789", UNDERLAY[1]))),
+        "no VXLAN on the underlay: {vx:?}"
+    );
+    assert!(clear.is_empty(), "pod addresses in the clear: {clear:?}");
+
+    // Blackhole: an address of node 1's block with no workload gets no
+    // reply and does not leak to node 1's default route.
+    nodes[0]
+        .ns
+        .run("ip", &["route", "add", "default", "via", UNDERLAY[1]])?;
+    let matching = stdout(&nodes[0].ns, "ip", &["route", "show", "match", "10.65.1.9"])?;
+    assert!(
+        matching.contains(&format!("blackhole {} proto 80", BLOCKS[0])),
+        "{matching}"
+    );
+    // The kernel refuses to route it (a blackhole's EINVAL), where without
+    // the blackhole it would take the default route.
+    assert!(nodes[0].ns.run("ip", &["route", "get", "10.65.1.9"]).is_err());
+    let leak = Capture::start(&nodes[0].ns, "net 10.65.1.0/26")?;
+    assert!(!probe(&nodes[1].pod, "10.65.1.9", Probe::Icmp));
+    assert!(!probe(&nodes[0].pod, "10.65.1.9", Probe::Icmp));
+    let leak = leak.finish();
+    // VXLAN packets do not match the filter (their outer addresses are the
+    // nodes'): anything caught crossed the underlay in the clear.
+    assert!(
+        !leak.iter().any(|l| l.contains("10.65.1.9")),
+        "a packet to 10.65.1.9 left node 1: {leak:?}"
+    );
+    nodes[0]
+        .ns
+        .run("ip", &["route", "del", "default", "via", UNDERLAY[1]])?;
+
+    // A restart of either daemon drops nothing: a ping every 20 ms runs
+    // through both restarts.
+    let pinger = nodes[0]
+        .pod
+        .command("ping")
+        .args(["-q", "-i", "0.02", "-w", "12", PODS[1]])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in [0, 1] {
+        daemons[i].take().expect("running").stop()?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        daemons[i] = Some(start(&nodes[i], i, dir.path(), &feeds[i]).await?);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let out = pinger.wait_with_output()?;
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary.contains(" 0% packet loss"),
+        "packets lost across the restarts: {summary}"
+    );
+
+    // Policy on node 2 still decides: a deny-all ingress policy on B.
+    let deny = "activePolicyUpdate:\n  id: {name: t.deny}\n  policy:\n    tier: t\n    inboundRules: [{action: deny}]\n---\n\
+        workloadEndpointUpdate:\n  id: {orchestratorId: k8s, workloadId: ns/pod1, endpointId: eth0}\n  endpoint:\n    name: caliB\n    mac: '02:00:00:00:00:02'\n    ipv4Nets: [10.65.2.2/32]\n    profileIds: [kns.ns]\n    tiers:\n      - name: t\n        ingressPolicies: [{name: t.deny}]\n        defaultAction: deny\n";
+    let mut c2 = daemons[1].as_ref().expect("running").connect().await?;
+    let (rej, _) = push(&mut c2, yaml_msgs(100, deny)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    assert_all(&nodes[0].pod, PODS[1], false, "A -> B under B's deny");
+    // Back to the snapshot: open again.
+    let (rej, _) = push(&mut c2, yaml_msgs(200, &feeds[1])).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    assert_all(&nodes[0].pod, PODS[1], true, "A -> B after the deny");
+
+    // Bad input is refused with a reason and changes nothing.
+    let mut c1 = daemons[0].as_ref().expect("running").connect().await?;
+    let bad = "vtepUpdate: {node: node3, mac: 'ff:ff:ff:ff:ff:ff', ipv4Addr: '10.65.3.0', parentDeviceIp: '172.31.77.3'}\n---\n\
+        routeUpdate: {types: 1, ipPoolType: VXLAN, dst: '10.65.2.0/24', dstNodeName: node3, dstNodeIp: '172.31.77.3'}\n";
+    let (rej, _) = push(&mut c1, yaml_msgs(300, bad)).await?;
+    assert_eq!(rej.len(), 2, "{rej:?}");
+    assert!(rej[0].reason.contains("not a unicast MAC"), "{rej:?}");
+    assert!(rej[1].reason.contains("overlaps block 10.65.2.0/26"), "{rej:?}");
+    assert_all(&nodes[0].pod, PODS[1], true, "A -> B after bad input");
+
+    // RouteRemove of B's block on node 1 cuts A from B.
+    let (rej, _) = push(
+        &mut c1,
+        yaml_msgs(400, &format!("routeRemove: {{dst: '{}'}}\n", BLOCKS[1])),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let r = stdout(&nodes[0].ns, "ip", &["route", "show", BLOCKS[1]])?;
+    assert!(r.trim().is_empty(), "route still there: {r}");
+    assert!(!probe(&nodes[0].pod, PODS[1], Probe::Icmp), "A -> B after RouteRemove");
+
+    // VXLAN off: the device goes, with its routes and neighbours; foreign
+    // routes stay.
+    let (rej, _) = push(&mut c1, yaml_msgs(500, "encapsulation: {}\n")).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let links = stdout(&nodes[0].ns, "ip", &["link", "show"])?;
+    assert!(!links.contains("vxlan.calico"), "{links}");
+    for n in &nodes {
+        let r = stdout(&n.ns, "ip", &["route", "show", "198.18.0.0/24"])?;
+        assert!(r.contains("proto static"), "foreign route gone: {r}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn same_subnet_nodes_route_pods_without_encapsulation() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let nodes = cluster("ne")?;
+    let encap = "noEncapEnabled: true";
+    let mut daemons = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        daemons.push(start(n, i, dir.path(), &feed(i, NO_ENCAP, encap)).await?);
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let other = 1 - i;
+        let r = stdout(&n.ns, "ip", &["route", "show", BLOCKS[other]])?;
+        for want in [&format!("via {}", UNDERLAY[other]), "dev eth0", "proto 80", "onlink"] {
+            assert!(r.contains(want), "node{}: {want:?} in {r}", i + 1);
+        }
+        let links = stdout(&n.ns, "ip", &["link", "show"])?;
+        assert!(!links.contains("vxlan"), "no VXLAN device: {links}");
+    }
+    // Plain routing: the pods' packets cross the underlay as they are.
+    let clear = Capture::start(&nodes[1].ns, &format!("host {}", PODS[0]))?;
+    assert_all(&nodes[0].pod, PODS[1], true, "A -> B");
+    assert_all(&nodes[1].pod, PODS[0], true, "B -> A");
+    let clear = clear.finish();
+    assert!(
+        clear.iter().any(|l| l.contains(PODS[0])),
+        "the pods' packets did not cross eth0 as they are: {clear:?}"
+    );
+    drop(daemons);
+    Ok(())
+}
