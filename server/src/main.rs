@@ -13,8 +13,8 @@ use dphandler_dataplane::backends::iptables::restore::{
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
-use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
+use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
@@ -150,6 +150,11 @@ struct ServeArgs {
     /// DeviceRouteProtocol, 3 = boot).
     #[arg(long, env = "DPH_DEVICE_ROUTE_PROTOCOL", default_value_t = 3)]
     device_route_protocol: u8,
+    /// Remove every route on a workload interface that the calc graph did
+    /// not ask for, whoever made it (Felix's RemoveExternalRoutes); `false`
+    /// removes only routes with our protocols there.
+    #[arg(long, env = "DPH_REMOVE_EXTERNAL_ROUTES", default_value_t = true, action = clap::ArgAction::Set)]
+    remove_external_routes: bool,
     /// This node's name, as the calc graph calls it: tells this node's
     /// VTEP and host metadata from the other nodes'. Default: the
     /// kernel's hostname. A ConfigUpdate's `FelixHostname` overrides it.
@@ -365,6 +370,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // owning them would mean deleting routes that are not ours.
         bail!("--route-protocol must be 5-255 (0-4 belong to the kernel and admins)");
     }
+    if matches!(args.device_route_protocol, 0..=2) {
+        bail!("--device-route-protocol must be 3-255 (0-2 are the kernel's)");
+    }
     let hostname = match &args.hostname {
         Some(h) if !h.is_empty() => h.clone(),
         Some(_) => bail!("--hostname must not be empty"),
@@ -378,7 +386,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         kernel.routes = Some(Routes::new(
             RouteOwnership {
                 exclusive_protocol: args.route_protocol,
+                device_protocol: args.device_route_protocol,
                 workload_prefix: args.workload_iface_prefix.clone(),
+                remove_external_routes: args.remove_external_routes,
                 tunnel_devices: vec![VXLAN_V4.into(), VXLAN_V6.into()],
             },
             Box::new(RouteNetlink::open().context("opening the routes' netlink socket")?),

@@ -87,7 +87,7 @@ fn cluster(tag: &str) -> Result<[Node; 2]> {
             _servers: servers,
         });
     }
-    Ok(nodes.try_into().map_err(|_| anyhow::anyhow!("two nodes"))?)
+    nodes.try_into().map_err(|_| anyhow::anyhow!("two nodes"))
 }
 
 fn route(types: u32, pool: &str, dst: &str, node: usize, extra: &str) -> String {
@@ -288,12 +288,18 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
         );
         let neigh = stdout(&n.ns, "ip", &["neigh", "show", "dev", "vxlan.calico"])?;
         assert!(
-            neigh.contains(&format!("{} lladdr {} PERMANENT", VTEP_IPS[other], VTEP_MACS[other])),
+            neigh.contains(&format!(
+                "{} lladdr {} PERMANENT",
+                VTEP_IPS[other], VTEP_MACS[other]
+            )),
             "{neigh}"
         );
         let fdb = stdout(&n.ns, "bridge", &["fdb", "show", "dev", "vxlan.calico"])?;
         assert!(
-            fdb.contains(&format!("{} dst {} self permanent", VTEP_MACS[other], UNDERLAY[other])),
+            fdb.contains(&format!(
+                "{} dst {} self permanent",
+                VTEP_MACS[other], UNDERLAY[other]
+            )),
             "{fdb}"
         );
     }
@@ -306,7 +312,8 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     assert_all(&nodes[1].pod, PODS[0], true, "B -> A");
     let (vx, clear) = (vxlan_seen.finish(), clear.finish());
     assert!(
-        vx.iter().any(|l| l.contains(&format!("{}.4789", UNDERLAY[1]))),
+        vx.iter()
+            .any(|l| l.contains(&format!("{}.4789", UNDERLAY[1]))),
         "no VXLAN on the underlay: {vx:?}"
     );
     assert!(clear.is_empty(), "pod addresses in the clear: {clear:?}");
@@ -323,7 +330,12 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     );
     // The kernel refuses to route it (a blackhole's EINVAL), where without
     // the blackhole it would take the default route.
-    assert!(nodes[0].ns.run("ip", &["route", "get", "10.65.1.9"]).is_err());
+    assert!(
+        nodes[0]
+            .ns
+            .run("ip", &["route", "get", "10.65.1.9"])
+            .is_err()
+    );
     let leak = Capture::start(&nodes[0].ns, "net 10.65.1.0/26")?;
     assert!(!probe(&nodes[1].pod, "10.65.1.9", Probe::Icmp));
     assert!(!probe(&nodes[0].pod, "10.65.1.9", Probe::Icmp));
@@ -379,7 +391,10 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     let (rej, _) = push(&mut c1, yaml_msgs(300, bad)).await?;
     assert_eq!(rej.len(), 2, "{rej:?}");
     assert!(rej[0].reason.contains("not a unicast MAC"), "{rej:?}");
-    assert!(rej[1].reason.contains("overlaps block 10.65.2.0/26"), "{rej:?}");
+    assert!(
+        rej[1].reason.contains("overlaps block 10.65.2.0/26"),
+        "{rej:?}"
+    );
     assert_all(&nodes[0].pod, PODS[1], true, "A -> B after bad input");
 
     // RouteRemove of B's block on node 1 cuts A from B.
@@ -391,7 +406,10 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     assert!(rej.is_empty(), "{rej:?}");
     let r = stdout(&nodes[0].ns, "ip", &["route", "show", BLOCKS[1]])?;
     assert!(r.trim().is_empty(), "route still there: {r}");
-    assert!(!probe(&nodes[0].pod, PODS[1], Probe::Icmp), "A -> B after RouteRemove");
+    assert!(
+        !probe(&nodes[0].pod, PODS[1], Probe::Icmp),
+        "A -> B after RouteRemove"
+    );
 
     // VXLAN off: the device goes, with its routes and neighbours; foreign
     // routes stay.
@@ -421,7 +439,12 @@ async fn same_subnet_nodes_route_pods_without_encapsulation() -> Result<()> {
     for (i, n) in nodes.iter().enumerate() {
         let other = 1 - i;
         let r = stdout(&n.ns, "ip", &["route", "show", BLOCKS[other]])?;
-        for want in [&format!("via {}", UNDERLAY[other]), "dev eth0", "proto 80", "onlink"] {
+        for want in [
+            &format!("via {}", UNDERLAY[other]),
+            "dev eth0",
+            "proto 80",
+            "onlink",
+        ] {
             assert!(r.contains(want), "node{}: {want:?} in {r}", i + 1);
         }
         let links = stdout(&n.ns, "ip", &["link", "show"])?;

@@ -227,8 +227,10 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
     let w2 = workload(&host, "cali2", "10.65.0.3")?;
     // Take the hand-made route to w2 away: the daemon must program it.
     host.run("ip", &["route", "del", "10.65.0.3/32", "dev", "cali2"])?;
-    // A route of another owner on a workload interface, and one of ours
-    // that is stale: the first stays, the second goes.
+    // A route of another owner on a workload interface and one of ours
+    // that is stale: both go (every route on a workload interface is ours,
+    // Felix's RemoveExternalRoutes). A route of another owner elsewhere
+    // stays.
     host.run(
         "ip",
         &[
@@ -237,6 +239,18 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
             "10.77.0.0/24",
             "dev",
             "cali2",
+            "proto",
+            "static",
+        ],
+    )?;
+    host.run(
+        "ip",
+        &[
+            "route",
+            "add",
+            "10.79.0.0/24",
+            "dev",
+            "lo",
             "proto",
             "static",
         ],
@@ -274,18 +288,26 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
     let (rej, _) = push(&mut c, yaml_msgs(1, &yaml)).await?;
     assert!(rej.is_empty(), "{rej:?}");
     let routes =
-        String::from_utf8_lossy(&host.run("ip", &["route", "show", "proto", "80"])?.stdout)
-            .into_owned();
-    assert!(routes.contains("10.65.0.3 dev cali2"), "{routes}");
-    assert!(routes.contains("10.65.0.2 dev cali1"), "{routes}");
+        String::from_utf8_lossy(&host.run("ip", &["-d", "route", "show"])?.stdout).into_owned();
+    assert!(
+        routes.contains("unicast 10.65.0.3 dev cali2 proto boot scope link"),
+        "{routes}"
+    );
+    assert!(
+        routes.contains("unicast 10.65.0.2 dev cali1 proto boot scope link"),
+        "{routes}"
+    );
     assert!(
         !routes.contains("10.78.0.0/24"),
         "stale route of ours removed: {routes}"
     );
-    let all = String::from_utf8_lossy(&host.run("ip", &["route"])?.stdout).into_owned();
     assert!(
-        all.contains("10.77.0.0/24 dev cali2 proto static"),
-        "foreign route kept: {all}"
+        !routes.contains("10.77.0.0/24"),
+        "unexpected route on a workload interface removed: {routes}"
+    );
+    assert!(
+        routes.contains("10.79.0.0/24 dev lo proto static"),
+        "foreign route kept: {routes}"
     );
     let neigh =
         String::from_utf8_lossy(&host.run("ip", &["neigh", "show", "dev", "cali2"])?.stdout)
@@ -317,9 +339,7 @@ async fn routes_and_neighbours_to_workloads_are_programmed() -> Result<()> {
         yaml_msgs(10, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
     )
     .await?;
-    let routes =
-        String::from_utf8_lossy(&host.run("ip", &["route", "show", "proto", "80"])?.stdout)
-            .into_owned();
+    let routes = String::from_utf8_lossy(&host.run("ip", &["route", "show"])?.stdout).into_owned();
     assert!(!routes.contains("10.65.0.3"), "{routes}");
     let neigh =
         String::from_utf8_lossy(&host.run("ip", &["neigh", "show", "dev", "cali2"])?.stdout)

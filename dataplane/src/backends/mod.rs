@@ -12,6 +12,7 @@ pub mod iptables;
 pub mod netlink;
 pub mod recording;
 pub mod routes;
+pub mod rules;
 pub mod sysctl;
 pub mod vxlan;
 
@@ -236,6 +237,8 @@ pub struct DesiredKernel {
     pub vxlan: Option<vxlan::Vxlan>,
     /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
+    /// ip rules into the routing tables we own (WireGuard's, next).
+    pub rules: Option<rules::Rules>,
     /// Per-interface settings of workload interfaces.
     pub sysctls: Option<sysctl::Sysctls>,
     /// Backends without a typed slot (and the recording ones in tests).
@@ -254,6 +257,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .chain(self.tables.iter().map(|b| b.name()))
                     .chain(self.vxlan.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
+                    .chain(self.rules.iter().map(|b| b.name()))
                     .chain(self.sysctls.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
                     .collect::<Vec<_>>(),
@@ -270,6 +274,7 @@ impl DesiredKernel {
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.rules.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(
                 self.others
@@ -283,6 +288,7 @@ impl DesiredKernel {
             && self.tables.is_empty()
             && self.vxlan.is_none()
             && self.routes.is_none()
+            && self.rules.is_none()
             && self.sysctls.is_none()
             && self.others.is_empty()
     }

@@ -35,8 +35,8 @@ use crate::model::routes::{
     FdbEntry, Neighbour, RouteClass, RouteKey, RouteKind, RouteTarget, VxlanDevice,
 };
 use crate::model::{
-    Encapsulation, HostMetadata, Id, IpVersion, Key, Kind, MacAddr, Route, Update,
-    ValidationError, Vtep,
+    Encapsulation, HostMetadata, Id, IpVersion, Key, Kind, MacAddr, Route, Update, ValidationError,
+    Vtep,
 };
 
 /// `RouteType` bits of `RouteUpdate.types`.
@@ -337,7 +337,8 @@ impl RoutesManager {
                 mtu: None,
             }));
         }
-        let remote_tunnel = is_type(r, REMOTE_TUNNEL) && (is_type(r, REMOTE_WORKLOAD) || r.borrowed);
+        let remote_tunnel =
+            is_type(r, REMOTE_TUNNEL) && (is_type(r, REMOTE_WORKLOAD) || r.borrowed);
         if !is_type(r, REMOTE_WORKLOAD) && !remote_tunnel {
             return Ok(None);
         }
@@ -375,10 +376,7 @@ impl RoutesManager {
                     .find(|(n, _)| n.as_str() == node)
                     .and_then(|(_, v)| Self::vtep_addrs(v, ver));
                 let Some((gw, _, _)) = vtep else {
-                    return Err(format!(
-                        "{}: waiting for the VTEP of node {node:?}",
-                        r.dst
-                    ));
+                    return Err(format!("{}: waiting for the VTEP of node {node:?}", r.dst));
                 };
                 Ok(Some(self.target(
                     RouteClass::VxlanTunnel,
@@ -475,7 +473,10 @@ impl Manager for RoutesManager {
             Update::Vtep(v) => {
                 if v.ipv4_addr.is_some() {
                     let mac = v.mac.ok_or_else(|| {
-                        ValidationError::new("vtep_update.mac", "a VTEP with an IPv4 address needs a MAC")
+                        ValidationError::new(
+                            "vtep_update.mac",
+                            "a VTEP with an IPv4 address needs a MAC",
+                        )
                     })?;
                     check_mac(&mac, "vtep_update.mac")?;
                     if v.parent_device_ip.is_none() {
@@ -686,7 +687,12 @@ impl Manager for RoutesManager {
             }
         }
         *counts.entry("vteps").or_default() = neighbours.len();
-        debug!(routes = routes.len(), neighbours = neighbours.len(), waiting = waiting.len(), "cluster routes");
+        debug!(
+            routes = routes.len(),
+            neighbours = neighbours.len(),
+            waiting = waiting.len(),
+            "cluster routes"
+        );
         if let Some(k) = &mut kernel.routes {
             k.set(RouteSource::Cluster, routes, neighbours);
             k.set_fdb(fdb);

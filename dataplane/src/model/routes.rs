@@ -131,3 +131,17 @@ pub struct VxlanDevice {
     /// This node's VTEP address (/32 or /128 on the device).
     pub addr: IpAddr,
 }
+
+/// A policy-routing rule (`ip rule`), as Felix's `routerule.Rule`:
+/// priority, optional fwmark/mask (optionally inverted: `not fwmark`),
+/// optional source prefix, and the table it looks up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct IpRule {
+    pub v6: bool,
+    pub priority: u32,
+    /// (mark, mask).
+    pub fwmark: Option<(u32, u32)>,
+    pub invert: bool,
+    pub src: Option<IpNet>,
+    pub table: u32,
+}

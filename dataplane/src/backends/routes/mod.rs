@@ -3,10 +3,12 @@
 //! Owns, in the main table (Felix's `MainTableOwnershipPolicy`):
 //! - every route with our exclusive protocol (`--route-protocol`, 80):
 //!   blackholes for local IPAM blocks, same-subnet and no-encap routes;
-//! - every route whose device is a workload interface (the
-//!   `--workload-iface-prefix`) or one of our tunnel devices
-//!   (`vxlan.calico`, `vxlan-v6.calico`), whatever its protocol — except
-//!   the kernel's own IPv6 `fe80::/64`;
+//! - every route whose device is one of our tunnel devices
+//!   (`vxlan.calico`, `vxlan-v6.calico`), and every route whose device is a
+//!   workload interface (the `--workload-iface-prefix`), whatever its
+//!   protocol (Felix's RemoveExternalRoutes; with
+//!   `--remove-external-routes=false` only those with our two protocols) —
+//!   except the kernel's own IPv6 `fe80::/64`;
 //! - permanent neighbour entries on those same devices, and the FDB
 //!   entries of our VXLAN devices.
 //!
@@ -124,7 +126,13 @@ pub trait RouteSeam: Send + std::fmt::Debug {
 pub struct RouteOwnership {
     /// Routes with this protocol are ours wherever they point.
     pub exclusive_protocol: u8,
+    /// Protocol of our routes through devices (workloads, VXLAN).
+    pub device_protocol: u8,
     pub workload_prefix: String,
+    /// Every route on a workload interface is ours (Felix's
+    /// RemoveExternalRoutes, default on); otherwise only those with our
+    /// protocols.
+    pub remove_external_routes: bool,
     /// Our tunnel devices: every route and permanent neighbour on them is
     /// ours.
     pub tunnel_devices: Vec<String>,
@@ -151,7 +159,13 @@ impl RouteOwnership {
         {
             return false; // the kernel's link-local route
         }
-        dev.is_some_and(|d| self.owns_device(d))
+        match dev {
+            Some(d) if self.tunnel_devices.iter().any(|t| t == d) => true,
+            Some(d) if d.starts_with(&self.workload_prefix) => {
+                self.remove_external_routes || r.protocol == self.device_protocol
+            }
+            _ => false,
+        }
     }
 }
 
@@ -286,6 +300,24 @@ impl Routes {
         self.changed = true;
     }
 
+    /// The routes every source wants, the lowest class winning a key.
+    pub fn desired(&self) -> BTreeMap<RouteKey, RouteTarget> {
+        self.merged()
+            .into_iter()
+            .map(|(k, t)| (k, t.clone()))
+            .collect()
+    }
+
+    /// The neighbours every source wants.
+    pub fn desired_neighbours(&self) -> BTreeSet<Neighbour> {
+        self.neighbours.values().flatten().cloned().collect()
+    }
+
+    /// The FDB entries wanted.
+    pub fn desired_fdb(&self) -> &BTreeSet<FdbEntry> {
+        &self.fdb
+    }
+
     pub fn summary(&self) -> &RoutesSummary {
         &self.summary
     }
@@ -379,13 +411,8 @@ impl Routes {
         Ok(None)
     }
 
-    /// The ops that bring `observed` to the desired state, and the
-    /// devices that could not be resolved. Also returns how long until a
-    /// grace period ends, if one held back a deletion.
-    fn plan(
-        &mut self,
-        observed: &Observed,
-    ) -> Result<(Vec<RouteOp>, Vec<String>, Option<Duration>), BackendError> {
+    /// The ops that bring `observed` to the desired state.
+    fn plan(&mut self, observed: &Observed) -> Result<Plan, BackendError> {
         let merged: Vec<(RouteKey, RouteTarget)> = self
             .merged()
             .into_iter()
@@ -497,8 +524,22 @@ impl Routes {
         // then removals.
         n_adds.extend(adds);
         n_adds.extend(dels);
-        Ok((n_adds, missing.into_iter().collect(), grace_left))
+        Ok(Plan {
+            ops: n_adds,
+            missing: missing.into_iter().collect(),
+            grace_left,
+        })
     }
+}
+
+/// What an apply will do.
+#[derive(Debug)]
+struct Plan {
+    ops: Vec<RouteOp>,
+    /// Devices named by desired routes that could not be resolved.
+    missing: Vec<String>,
+    /// How long until a grace period ends, if one held back a deletion.
+    grace_left: Option<Duration>,
 }
 
 /// The kernel form of a desired route.
@@ -512,9 +553,10 @@ pub fn kernel_route(key: RouteKey, t: &RouteTarget, oif: Option<u32>) -> KernelR
         oif,
         gateway: t.gateway,
         onlink: t.onlink,
-        scope: match t.scope() {
-            RouteScope::Universe => RT_SCOPE_UNIVERSE,
-            RouteScope::Link => RT_SCOPE_LINK,
+        // IPv6 routes have no scope: the kernel reports universe for all.
+        scope: match (t.scope(), key.dst) {
+            (RouteScope::Link, IpNet::V4(_)) => RT_SCOPE_LINK,
+            _ => RT_SCOPE_UNIVERSE,
         },
         protocol: t.protocol,
         mtu: t.mtu,
@@ -581,7 +623,11 @@ impl Backend for Routes {
             self.read()?;
         }
         let mut observed = self.observed.take().expect("read above");
-        let (ops, missing, grace_left) = match self.plan(&observed) {
+        let Plan {
+            ops,
+            missing,
+            grace_left,
+        } = match self.plan(&observed) {
             Ok(p) => p,
             Err(e) => {
                 self.observed = Some(observed);

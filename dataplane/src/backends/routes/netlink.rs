@@ -83,11 +83,17 @@ fn from_message(m: &RouteMessage) -> Option<KernelRoute> {
         (AddressFamily::Inet6, None) => IpNet::new(Ipv6Addr::UNSPECIFIED.into(), 0).ok()?,
         _ => return None,
     };
+    let kind = u8::from(h.kind);
+    // IPv6 special routes (blackhole, unreachable, prohibit, throw) come
+    // back on `lo`; they have no device.
+    if matches!(kind, 6..=9) {
+        oif = None;
+    }
     let mut key = RouteKey::new(table, dst, metric);
     key.tos = h.tos;
     Some(KernelRoute {
         key,
-        kind: u8::from(h.kind),
+        kind,
         oif,
         gateway,
         onlink: h.flags.contains(RouteFlags::Onlink),
@@ -159,11 +165,10 @@ fn neighbour_message(
         m.header.flags = NeighbourFlags::Own; // NTF_SELF: the device's own FDB
     }
     if let Some(a) = addr {
-        m.attributes
-            .push(NeighbourAttribute::Destination(match a {
-                IpAddr::V4(v4) => NeighbourAddress::Inet(v4),
-                IpAddr::V6(v6) => NeighbourAddress::Inet6(v6),
-            }));
+        m.attributes.push(NeighbourAttribute::Destination(match a {
+            IpAddr::V4(v4) => NeighbourAddress::Inet(v4),
+            IpAddr::V6(v6) => NeighbourAddress::Inet6(v6),
+        }));
     }
     if let Some(mac) = mac {
         m.attributes
@@ -320,12 +325,8 @@ impl RouteSeam for RouteNetlink {
                     }
                     RouteOp::AddFdb(f) => {
                         let mut req = h.neighbours().add_bridge(f.ifindex, &f.mac.0).replace();
-                        *req.message_mut() = neighbour_message(
-                            AddressFamily::Bridge,
-                            f.ifindex,
-                            f.dst,
-                            Some(f.mac),
-                        );
+                        *req.message_mut() =
+                            neighbour_message(AddressFamily::Bridge, f.ifindex, f.dst, Some(f.mac));
                         req.execute().await
                     }
                     RouteOp::DeleteFdb(f) => {
@@ -347,10 +348,7 @@ impl RouteSeam for RouteNetlink {
         );
         results
             .into_iter()
-            .filter_map(|(i, op, r)| {
-                r.err()
-                    .map(|e| (i, self.nl.error(format!("{op:?}"), e)))
-            })
+            .filter_map(|(i, op, r)| r.err().map(|e| (i, self.nl.error(format!("{op:?}"), e))))
             .collect()
     }
 }

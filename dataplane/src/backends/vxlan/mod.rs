@@ -44,29 +44,12 @@ pub struct ObservedLink {
 /// One write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VxlanOp {
-    Create {
-        dev: VxlanDevice,
-        parent_index: u32,
-    },
-    Delete {
-        index: u32,
-        name: String,
-    },
-    SetMtu {
-        index: u32,
-        mtu: u32,
-    },
-    SetUp {
-        index: u32,
-    },
-    AddAddr {
-        index: u32,
-        addr: IpNet,
-    },
-    DelAddr {
-        index: u32,
-        addr: IpNet,
-    },
+    Create { dev: VxlanDevice, parent_index: u32 },
+    Delete { index: u32, name: String },
+    SetMtu { index: u32, mtu: u32 },
+    SetUp { index: u32 },
+    AddAddr { index: u32, addr: IpNet },
+    DelAddr { index: u32, addr: IpNet },
 }
 
 /// The seam to the kernel.
@@ -87,17 +70,39 @@ pub fn incompatible(want: &VxlanDevice, parent_index: u32, have: &ObservedLink) 
         (want != have).then(|| format!("{what}: {have} (want {want})"))
     };
     let opt = |v: Option<String>| v.unwrap_or_else(|| "none".into());
-    differs("vni", want.vni.to_string(), opt(have.vni.map(|v| v.to_string())))
-        .or_else(|| differs("port", want.port.to_string(), opt(have.port.map(|v| v.to_string()))))
-        .or_else(|| {
-            differs(
-                "parent",
-                parent_index.to_string(),
-                opt(have.parent.map(|v| v.to_string())),
-            )
-        })
-        .or_else(|| differs("local", want.local.to_string(), opt(have.local.map(|v| v.to_string()))))
-        .or_else(|| differs("mac", want.mac.to_string(), opt(have.mac.map(|v| v.to_string()))))
+    differs(
+        "vni",
+        want.vni.to_string(),
+        opt(have.vni.map(|v| v.to_string())),
+    )
+    .or_else(|| {
+        differs(
+            "port",
+            want.port.to_string(),
+            opt(have.port.map(|v| v.to_string())),
+        )
+    })
+    .or_else(|| {
+        differs(
+            "parent",
+            parent_index.to_string(),
+            opt(have.parent.map(|v| v.to_string())),
+        )
+    })
+    .or_else(|| {
+        differs(
+            "local",
+            want.local.to_string(),
+            opt(have.local.map(|v| v.to_string())),
+        )
+    })
+    .or_else(|| {
+        differs(
+            "mac",
+            want.mac.to_string(),
+            opt(have.mac.map(|v| v.to_string())),
+        )
+    })
 }
 
 fn is_link_local(n: &IpNet) -> bool {
@@ -158,6 +163,12 @@ impl Vxlan {
             *slot = dev;
             self.changed = true;
         }
+    }
+
+    /// The desired state of one device (`None`: must not exist, or not
+    /// ours).
+    pub fn desired(&self, name: &str) -> Option<&VxlanDevice> {
+        self.desired.get(name).and_then(Option::as_ref)
     }
 
     /// Devices waiting for their parent interface, by name.

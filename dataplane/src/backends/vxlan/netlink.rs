@@ -132,15 +132,11 @@ impl VxlanSeam for VxlanNetlink {
             }
             VxlanOp::Delete { index, .. } => self.nl.block_on(h.link().del(*index).execute()),
             VxlanOp::SetMtu { index, mtu } => {
-                let msg = LinkUnspec::new_with_index(*index)
-                    .mtu(*mtu)
-                    .build();
+                let msg = LinkUnspec::new_with_index(*index).mtu(*mtu).build();
                 self.nl.block_on(h.link().set(msg).execute())
             }
             VxlanOp::SetUp { index } => {
-                let msg = LinkUnspec::new_with_index(*index)
-                    .up()
-                    .build();
+                let msg = LinkUnspec::new_with_index(*index).up().build();
                 self.nl.block_on(h.link().set(msg).execute())
             }
             VxlanOp::AddAddr { index, addr } => self.nl.block_on(

@@ -52,10 +52,10 @@ use std::net::IpAddr;
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
-use crate::backends::routes::RouteSource;
-use crate::model::routes::{RouteClass, RouteKey, RouteKind, RouteTarget};
 use crate::backends::iptables::{Rule, RuleError};
+use crate::backends::routes::RouteSource;
 use crate::model::ipsets::SetNames;
+use crate::model::routes::{RouteClass, RouteKey, RouteKind, RouteTarget};
 use crate::model::{
     EndpointState, HostEndpoint, HostEndpointId, Id, IpVersion, Key, Policy, PolicyId, Profile,
     Update, WorkloadEndpoint, WorkloadEndpointId,

@@ -705,7 +705,7 @@ fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
     link(&mut m, 7, "cali1", "fe80::ecee:eeff:feee:eeee/64");
     let (routes, neighbours) = m.routes();
     assert_eq!(
-        routes.keys().map(ToString::to_string).collect::<Vec<_>>(),
+        routes.keys().map(|k| k.dst.to_string()).collect::<Vec<_>>(),
         ["10.65.0.2/32", "fd00:65::2/128"]
     );
     assert_eq!(
