@@ -304,6 +304,32 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
         );
     }
 
+    // What node 1 reports (GetStatus; `dphctl status` prints the same).
+    let mut c1 = daemons[0].as_ref().expect("running").connect().await?;
+    let st = c1
+        .get_status(dphandler_proto::v1::GetStatusRequest {})
+        .await?
+        .into_inner();
+    let d = &st.details;
+    assert_eq!(d.get("node").map(String::as_str), Some("node1"), "{d:?}");
+    assert_eq!(
+        d.get("routes.vxlan").map(String::as_str),
+        Some("1"),
+        "{d:?}"
+    );
+    assert_eq!(
+        d.get("routes.blackhole").map(String::as_str),
+        Some("1"),
+        "{d:?}"
+    );
+    assert!(
+        d.get("vxlan.vxlan.calico")
+            .is_some_and(|v| v.contains("vni 4096") && v.contains("parent eth0")),
+        "{d:?}"
+    );
+    assert_eq!(d.get("kernel.fdb").map(String::as_str), Some("1"), "{d:?}");
+    assert!(!d.keys().any(|k| k.starts_with("routes.waiting")), "{d:?}");
+
     // A to B and back, over VXLAN: the underlay carries UDP 4789 and no
     // pod address in the clear.
     let vxlan_seen = Capture::start(&nodes[1].ns, "udp dst port 4789")?;
@@ -386,6 +412,7 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
 
     // Bad input is refused with a reason and changes nothing.
     let mut c1 = daemons[0].as_ref().expect("running").connect().await?;
+    let before = stdout(&nodes[0].ns, "ip", &["route"])?;
     let bad = "vtepUpdate: {node: node3, mac: 'ff:ff:ff:ff:ff:ff', ipv4Addr: '10.65.3.0', parentDeviceIp: '172.31.77.3'}\n---\n\
         routeUpdate: {types: 1, ipPoolType: VXLAN, dst: '10.65.2.0/24', dstNodeName: node3, dstNodeIp: '172.31.77.3'}\n";
     let (rej, _) = push(&mut c1, yaml_msgs(300, bad)).await?;
@@ -394,6 +421,11 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     assert!(
         rej[1].reason.contains("overlaps block 10.65.2.0/26"),
         "{rej:?}"
+    );
+    assert_eq!(
+        stdout(&nodes[0].ns, "ip", &["route"])?,
+        before,
+        "routes unchanged"
     );
     assert_all(&nodes[0].pod, PODS[1], true, "A -> B after bad input");
 

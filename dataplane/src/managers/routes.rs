@@ -35,8 +35,7 @@ use crate::model::routes::{
     FdbEntry, Neighbour, RouteClass, RouteKey, RouteKind, RouteTarget, VxlanDevice,
 };
 use crate::model::{
-    Encapsulation, HostMetadata, Id, IpVersion, Key, Kind, MacAddr, Route, Update, ValidationError,
-    Vtep,
+    Encapsulation, HostMetadata, Id, IpVersion, Key, MacAddr, Route, Update, ValidationError, Vtep,
 };
 
 /// `RouteType` bits of `RouteUpdate.types`.
@@ -127,11 +126,44 @@ pub struct RoutesManager {
     encap: Encapsulation,
     links: BTreeMap<u32, LinkInfo>,
     link_events: Vec<InterfaceEvent>,
-    dirty: bool,
-    /// What the last pass could not program, and why (for status).
-    waiting: Vec<String>,
+    /// Everything must be worked out again (a VTEP, the encapsulation, the
+    /// node's name or its underlay changed).
+    all_dirty: bool,
+    /// Only these RouteUpdate destinations changed.
+    dirty_dsts: BTreeSet<IpNet>,
+    /// What the interfaces mean to us (parents, tunl0): a link or address
+    /// event that leaves it as it is needs no full pass.
+    underlay: Underlay,
+    /// The VXLAN devices of the last full pass, by version.
+    devices: BTreeMap<IpVersion, VxlanDevice>,
+    /// The kind of route programmed for each destination (for counts).
+    classes: BTreeMap<IpNet, &'static str>,
     counts: BTreeMap<&'static str, usize>,
+    /// Routes that cannot be programmed yet, and why.
+    waiting_routes: BTreeMap<IpNet, String>,
+    /// Devices that cannot be made yet, and why.
+    waiting_devices: BTreeMap<&'static str, String>,
     vxlan_state: BTreeMap<&'static str, String>,
+}
+
+/// The parts of the interfaces that decide routes: each version's parent
+/// (name, address, MTU) and whether `tunl0` exists.
+type Underlay = (
+    Option<(String, IpAddr, u32)>,
+    Option<(String, IpAddr, u32)>,
+    bool,
+);
+
+fn class_name(c: RouteClass) -> &'static str {
+    match c {
+        RouteClass::Blackhole => "blackhole",
+        RouteClass::VxlanTunnel => "vxlan",
+        RouteClass::VxlanSameSubnet => "vxlan_same_subnet",
+        RouteClass::NoEncap => "no_encap",
+        RouteClass::IpipTunnel => "ipip",
+        RouteClass::IpipSameSubnet => "ipip_same_subnet",
+        RouteClass::LocalWorkload => "workload",
+    }
 }
 
 fn is_type(r: &Route, t: u32) -> bool {
@@ -171,9 +203,14 @@ impl RoutesManager {
             encap: Encapsulation::default(),
             links: BTreeMap::new(),
             link_events: Vec::new(),
-            dirty: true,
-            waiting: Vec::new(),
+            all_dirty: true,
+            dirty_dsts: BTreeSet::new(),
+            underlay: (None, None, false),
+            devices: BTreeMap::new(),
+            classes: BTreeMap::new(),
             counts: BTreeMap::new(),
+            waiting_routes: BTreeMap::new(),
+            waiting_devices: BTreeMap::new(),
             vxlan_state: BTreeMap::new(),
         }
     }
@@ -449,6 +486,157 @@ impl RoutesManager {
     }
 }
 
+impl RoutesManager {
+    fn versions(&self) -> Vec<IpVersion> {
+        if self.cfg.ipv6 {
+            vec![IpVersion::V4, IpVersion::V6]
+        } else {
+            vec![IpVersion::V4]
+        }
+    }
+
+    fn underlay_now(&self) -> Underlay {
+        let p = |v| self.parent(v).map(|(l, ip)| (l.name.clone(), ip, l.mtu));
+        (
+            p(IpVersion::V4),
+            p(IpVersion::V6),
+            self.link_named(IPIP_DEVICE).is_some(),
+        )
+    }
+
+    /// Works out the route for one destination (`None`: no route of
+    /// ours), keeping the counts and the waiting list.
+    fn target_for(&mut self, dst: IpNet) -> Option<RouteTarget> {
+        let result = match self.routes.get(&dst) {
+            Some(r) if self.versions().contains(&version_of(&dst)) => {
+                self.route_for(r, &self.devices)
+            }
+            _ => Ok(None),
+        };
+        let (target, waiting) = match result {
+            Ok(t) => (t, None),
+            Err(why) => (None, Some(why)),
+        };
+        match waiting {
+            Some(w) => {
+                self.waiting_routes.insert(dst, w);
+            }
+            None => {
+                self.waiting_routes.remove(&dst);
+            }
+        }
+        let class = target.as_ref().map(|t| class_name(t.class));
+        let old = match class {
+            Some(c) => self.classes.insert(dst, c),
+            None => self.classes.remove(&dst),
+        };
+        if old != class {
+            if let Some(o) = old {
+                *self.counts.entry(o).or_default() -= 1;
+            }
+            if let Some(c) = class {
+                *self.counts.entry(c).or_default() += 1;
+            }
+        }
+        target
+    }
+
+    fn log_waiting(&self) {
+        let n = self.waiting_routes.len() + self.waiting_devices.len();
+        if n > 0 {
+            debug!(
+                waiting = n,
+                "routes and devices that cannot be programmed yet"
+            );
+        }
+    }
+
+    /// Everything again: devices, VTEP neighbours and FDB, every route.
+    fn full_pass(&mut self, kernel: &mut DesiredKernel) {
+        self.underlay = self.underlay_now();
+        self.waiting_devices.clear();
+        let versions = self.versions();
+        let mut devices = BTreeMap::new();
+        for &ver in &versions {
+            let name = Self::device_name(ver);
+            match self.vxlan_device(ver) {
+                Ok(dev) => {
+                    self.vxlan_state.insert(
+                        name,
+                        match &dev {
+                            Some(d) => format!(
+                                "vni {} port {} parent {} local {} mtu {} addr {} mac {}",
+                                d.vni, d.port, d.parent, d.local, d.mtu, d.addr, d.mac
+                            ),
+                            None => "off".into(),
+                        },
+                    );
+                    if let Some(d) = &dev {
+                        devices.insert(ver, d.clone());
+                    }
+                    if let Some(v) = &mut kernel.vxlan {
+                        v.set(name, dev);
+                    }
+                }
+                Err(why) => {
+                    self.vxlan_state.insert(name, why.clone());
+                    self.waiting_devices.insert(name, format!("{name}: {why}"));
+                }
+            }
+        }
+        self.devices = devices;
+        // VTEP neighbours and FDB entries.
+        let (mut neighbours, mut fdb) = (BTreeSet::new(), BTreeSet::new());
+        for (node, v) in &self.vteps {
+            if node.as_str() == self.hostname() {
+                continue;
+            }
+            for (ver, dev) in &self.devices {
+                if let Some((ip, mac, parent_ip)) = Self::vtep_addrs(v, *ver) {
+                    neighbours.insert(Neighbour {
+                        dev: dev.name.clone(),
+                        addr: ip,
+                        mac,
+                    });
+                    fdb.insert(FdbEntry {
+                        dev: dev.name.clone(),
+                        mac,
+                        dst: parent_ip,
+                    });
+                }
+            }
+        }
+        // Routes.
+        self.classes.clear();
+        self.counts.clear();
+        self.waiting_routes.clear();
+        let dsts: Vec<IpNet> = self.routes.keys().copied().collect();
+        let mut routes = BTreeMap::new();
+        for dst in dsts {
+            if let Some(t) = self.target_for(dst) {
+                routes.insert(RouteKey::main(dst), t);
+            }
+        }
+        self.counts.insert("vteps", neighbours.len());
+        debug!(
+            routes = routes.len(),
+            neighbours = neighbours.len(),
+            "cluster routes"
+        );
+        if let Some(k) = &mut kernel.routes {
+            k.set(RouteSource::Cluster, routes, neighbours);
+            k.set_fdb(fdb);
+        }
+        if !self.waiting_devices.is_empty() || !self.waiting_routes.is_empty() {
+            info!(
+                devices = ?self.waiting_devices.values().collect::<Vec<_>>(),
+                routes = self.waiting_routes.len(),
+                "routes and devices that cannot be programmed yet"
+            );
+        }
+    }
+}
+
 impl Manager for RoutesManager {
     fn name(&self) -> &'static str {
         "routes"
@@ -517,6 +705,13 @@ impl Manager for RoutesManager {
         match update {
             Update::Route(r) => {
                 self.routes.insert(r.dst, r.clone());
+                self.dirty_dsts.insert(r.dst);
+                return;
+            }
+            Update::Remove(Key::Route(dst)) => {
+                self.routes.remove(dst);
+                self.dirty_dsts.insert(*dst);
+                return;
             }
             Update::Vtep(v) => {
                 self.vteps.insert(v.node.clone(), v.clone());
@@ -536,19 +731,15 @@ impl Manager for RoutesManager {
                     self.hostname_override = h;
                 }
             }
-            Update::Remove(Key::Route(dst)) => {
-                self.routes.remove(dst);
-            }
             Update::Remove(Key::Vtep(node)) => {
                 self.vteps.remove(node);
             }
             Update::Remove(Key::HostMetadata(h)) => {
                 self.hosts.remove(h);
             }
-            Update::Remove(k) if k.kind() == Kind::Route => {}
             _ => return,
         }
-        self.dirty = true;
+        self.all_dirty = true;
     }
 
     fn on_interface(&mut self, event: &InterfaceEvent) {
@@ -585,7 +776,13 @@ impl Manager for RoutesManager {
         ) {
             self.link_events.push(event.clone());
         }
-        self.dirty = true;
+        // A workload's veth coming or going changes nothing of ours; the
+        // underlay's interfaces do.
+        let now = self.underlay_now();
+        if now != self.underlay {
+            self.underlay = now;
+            self.all_dirty = true;
+        }
     }
 
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
@@ -600,108 +797,20 @@ impl Manager for RoutesManager {
                 }
             }
         }
-        if !self.dirty {
-            return Ok(());
-        }
-        self.dirty = false;
-        let mut waiting = Vec::new();
-        let versions: Vec<IpVersion> = if self.cfg.ipv6 {
-            vec![IpVersion::V4, IpVersion::V6]
-        } else {
-            vec![IpVersion::V4]
-        };
-        // VXLAN devices.
-        let mut devices = BTreeMap::new();
-        for &ver in &versions {
-            let name = Self::device_name(ver);
-            match self.vxlan_device(ver) {
-                Ok(dev) => {
-                    self.vxlan_state.insert(
-                        name,
-                        match &dev {
-                            Some(d) => format!(
-                                "vni {} port {} parent {} local {} mtu {} addr {} mac {}",
-                                d.vni, d.port, d.parent, d.local, d.mtu, d.addr, d.mac
-                            ),
-                            None => "off".into(),
-                        },
-                    );
-                    if let Some(d) = &dev {
-                        devices.insert(ver, d.clone());
-                    }
-                    if let Some(v) = &mut kernel.vxlan {
-                        v.set(name, dev);
-                    }
-                }
-                Err(why) => {
-                    self.vxlan_state.insert(name, why.clone());
-                    waiting.push(format!("{name}: {why}"));
+        if self.all_dirty {
+            self.all_dirty = false;
+            self.dirty_dsts.clear();
+            self.full_pass(kernel);
+        } else if !self.dirty_dsts.is_empty() {
+            let dsts = std::mem::take(&mut self.dirty_dsts);
+            for dst in dsts {
+                let target = self.target_for(dst);
+                if let Some(k) = &mut kernel.routes {
+                    k.update(RouteSource::Cluster, RouteKey::main(dst), target);
                 }
             }
+            self.log_waiting();
         }
-        // VTEP neighbours and FDB entries.
-        let (mut neighbours, mut fdb) = (BTreeSet::new(), BTreeSet::new());
-        for (node, v) in &self.vteps {
-            if node.as_str() == self.hostname() {
-                continue;
-            }
-            for (ver, dev) in &devices {
-                if let Some((ip, mac, parent_ip)) = Self::vtep_addrs(v, *ver) {
-                    neighbours.insert(Neighbour {
-                        dev: dev.name.clone(),
-                        addr: ip,
-                        mac,
-                    });
-                    fdb.insert(FdbEntry {
-                        dev: dev.name.clone(),
-                        mac,
-                        dst: parent_ip,
-                    });
-                }
-            }
-        }
-        // Routes.
-        let mut routes = BTreeMap::new();
-        let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
-        for r in self.routes.values() {
-            if !versions.contains(&version_of(&r.dst)) {
-                continue;
-            }
-            match self.route_for(r, &devices) {
-                Ok(Some(t)) => {
-                    *counts
-                        .entry(match t.class {
-                            RouteClass::Blackhole => "blackhole",
-                            RouteClass::VxlanTunnel => "vxlan",
-                            RouteClass::VxlanSameSubnet => "vxlan_same_subnet",
-                            RouteClass::NoEncap => "no_encap",
-                            RouteClass::IpipTunnel => "ipip",
-                            RouteClass::IpipSameSubnet => "ipip_same_subnet",
-                            RouteClass::LocalWorkload => "workload",
-                        })
-                        .or_default() += 1;
-                    routes.insert(RouteKey::main(r.dst), t);
-                }
-                Ok(None) => {}
-                Err(why) => waiting.push(why),
-            }
-        }
-        *counts.entry("vteps").or_default() = neighbours.len();
-        debug!(
-            routes = routes.len(),
-            neighbours = neighbours.len(),
-            waiting = waiting.len(),
-            "cluster routes"
-        );
-        if let Some(k) = &mut kernel.routes {
-            k.set(RouteSource::Cluster, routes, neighbours);
-            k.set_fdb(fdb);
-        }
-        if waiting != self.waiting && !waiting.is_empty() {
-            info!(?waiting, "routes and devices that cannot be programmed yet");
-        }
-        self.waiting = waiting;
-        self.counts = counts;
         Ok(())
     }
 
@@ -711,15 +820,22 @@ impl Manager for RoutesManager {
             out.push((format!("vxlan.{dev}"), s.clone()));
         }
         for (k, n) in &self.counts {
-            out.push((format!("routes.{k}"), n.to_string()));
+            if *n > 0 {
+                out.push((format!("routes.{k}"), n.to_string()));
+            }
         }
-        for (i, w) in self.waiting.iter().enumerate().take(20) {
-            out.push((format!("routes.waiting.{i}"), w.clone()));
+        let waiting: Vec<&String> = self
+            .waiting_devices
+            .values()
+            .chain(self.waiting_routes.values())
+            .collect();
+        for (i, w) in waiting.iter().enumerate().take(20) {
+            out.push((format!("routes.waiting.{i}"), (*w).clone()));
         }
-        if self.waiting.len() > 20 {
+        if waiting.len() > 20 {
             out.push((
                 "routes.waiting.more".into(),
-                (self.waiting.len() - 20).to_string(),
+                (waiting.len() - 20).to_string(),
             ));
         }
         out

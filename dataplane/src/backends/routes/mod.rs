@@ -22,7 +22,13 @@
 //! An unexpected route on a workload interface that appeared in the last
 //! 10 s (`GRACE`) is left alone until we have routes for that interface
 //! (Felix's `routeCleanupGracePeriod`: CNI may be adding it right now).
+//!
+//! Applies are incremental: a change of the desired state marks only the
+//! keys it touches, and the next apply looks at those alone (one route in
+//! 100,000 costs one netlink request, not a walk of every route); after a
+//! read (start, refresh, failure) every key is looked at once.
 
+pub mod kernel;
 pub mod netlink;
 #[cfg(test)]
 mod tests;
@@ -31,143 +37,19 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use ipnet::IpNet;
 use tracing::{debug, info, instrument, warn};
 
 use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
 use crate::model::MacAddr;
-use crate::model::routes::{
-    FdbEntry, MAIN_TABLE, Neighbour, RouteKey, RouteKind, RouteScope, RouteTarget,
+use crate::model::routes::{FdbEntry, Neighbour, RouteKey, RouteTarget};
+pub use kernel::{
+    KernelFdb, KernelNeighbour, KernelRoute, Link, RT_SCOPE_LINK, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE,
+    RTN_UNICAST, RouteOp, RouteOwnership, RouteSeam, kernel_route,
 };
 
 /// How long an unexpected route on a newly seen workload interface is
 /// spared (Felix's 10 s).
 pub const GRACE: Duration = Duration::from_secs(10);
-
-/// Kernel route types (`RTN_*`) and scopes (`RT_SCOPE_*`) we read and
-/// write.
-pub const RTN_UNICAST: u8 = 1;
-pub const RTN_BLACKHOLE: u8 = 6;
-pub const RT_SCOPE_UNIVERSE: u8 = 0;
-pub const RT_SCOPE_LINK: u8 = 253;
-
-/// A link as the backend sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Link {
-    pub index: u32,
-    pub name: String,
-}
-
-/// A route as the kernel holds it (devices by index).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KernelRoute {
-    pub key: RouteKey,
-    /// `RTN_*`.
-    pub kind: u8,
-    pub oif: Option<u32>,
-    pub gateway: Option<IpAddr>,
-    pub onlink: bool,
-    /// `RT_SCOPE_*`.
-    pub scope: u8,
-    pub protocol: u8,
-    pub mtu: Option<u32>,
-}
-
-/// A neighbour entry as the kernel holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KernelNeighbour {
-    pub ifindex: u32,
-    pub addr: IpAddr,
-    pub mac: Option<MacAddr>,
-    pub permanent: bool,
-}
-
-/// A bridge FDB entry (`AF_BRIDGE` neighbour) as the kernel holds it.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct KernelFdb {
-    pub ifindex: u32,
-    pub mac: MacAddr,
-    pub dst: Option<IpAddr>,
-}
-
-/// One write. Devices by index: the backend resolves names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RouteOp {
-    ReplaceRoute(KernelRoute),
-    DeleteRoute(RouteKey),
-    ReplaceNeighbour {
-        ifindex: u32,
-        addr: IpAddr,
-        mac: MacAddr,
-    },
-    DeleteNeighbour {
-        ifindex: u32,
-        addr: IpAddr,
-    },
-    AddFdb(KernelFdb),
-    DeleteFdb(KernelFdb),
-}
-
-/// The seam to the kernel: dumps and a batch of writes. The real one is
-/// [`netlink::RouteNetlink`]; tests use a fake kernel.
-pub trait RouteSeam: Send + std::fmt::Debug {
-    fn links(&mut self) -> Result<Vec<Link>, BackendError>;
-    /// Every route of both families, every table.
-    fn routes(&mut self) -> Result<Vec<KernelRoute>, BackendError>;
-    /// IPv4 and IPv6 neighbours, and the bridge FDB.
-    fn neighbours(&mut self) -> Result<(Vec<KernelNeighbour>, Vec<KernelFdb>), BackendError>;
-    /// Carries out every op (one failing does not stop the others); returns
-    /// the failures by position in `ops`.
-    fn write(&mut self, ops: &[RouteOp]) -> Vec<(usize, BackendError)>;
-}
-
-/// Which routes are ours (see the module header).
-#[derive(Debug, Clone)]
-pub struct RouteOwnership {
-    /// Routes with this protocol are ours wherever they point.
-    pub exclusive_protocol: u8,
-    /// Protocol of our routes through devices (workloads, VXLAN).
-    pub device_protocol: u8,
-    pub workload_prefix: String,
-    /// Every route on a workload interface is ours (Felix's
-    /// RemoveExternalRoutes, default on); otherwise only those with our
-    /// protocols.
-    pub remove_external_routes: bool,
-    /// Our tunnel devices: every route and permanent neighbour on them is
-    /// ours.
-    pub tunnel_devices: Vec<String>,
-}
-
-impl RouteOwnership {
-    fn owns_device(&self, name: &str) -> bool {
-        name.starts_with(&self.workload_prefix) || self.tunnel_devices.iter().any(|d| d == name)
-    }
-
-    fn owns_route(&self, r: &KernelRoute, dev: Option<&str>) -> bool {
-        if r.key.table != MAIN_TABLE {
-            return false;
-        }
-        if r.protocol == self.exclusive_protocol {
-            return true;
-        }
-        if r.kind != RTN_UNICAST {
-            return false; // special routes are ours only by protocol
-        }
-        if let IpNet::V6(n) = r.key.dst
-            && n.prefix_len() == 64
-            && n.addr().segments()[..4] == [0xfe80, 0, 0, 0]
-        {
-            return false; // the kernel's link-local route
-        }
-        match dev {
-            Some(d) if self.tunnel_devices.iter().any(|t| t == d) => true,
-            Some(d) if d.starts_with(&self.workload_prefix) => {
-                self.remove_external_routes || r.protocol == self.device_protocol
-            }
-            _ => false,
-        }
-    }
-}
 
 /// Who asked for a route or neighbour: each manager sets its own share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -203,15 +85,25 @@ pub struct Routes {
     routes: BTreeMap<RouteSource, BTreeMap<RouteKey, RouteTarget>>,
     neighbours: BTreeMap<RouteSource, BTreeSet<Neighbour>>,
     fdb: BTreeSet<FdbEntry>,
-    changed: bool,
+    /// Route keys whose desired state changed since the last apply.
+    pending: BTreeSet<RouteKey>,
+    /// Neighbours or FDB entries changed since the last apply.
+    neighbours_changed: bool,
+    /// Routes to devices that did not exist when last looked at, by key.
+    unresolved: BTreeMap<RouteKey, String>,
+    /// Devices of wanted neighbours and FDB entries that did not exist.
+    missing_for_neighbours: BTreeSet<String>,
+    /// Unexpected routes spared by a grace period, to look at again.
+    graced: BTreeSet<RouteKey>,
+    grace_until: Option<Instant>,
     /// name → index, from the last link dump (and link events since).
     links: Option<HashMap<String, u32>>,
     /// Workload interfaces that appeared after our first read, and when.
     new_links: HashMap<u32, Instant>,
+    /// What the kernel holds of ours; `None` = read before the next apply
+    /// (which then looks at every key).
     observed: Option<Observed>,
     grace: Duration,
-    /// A grace period held back a deletion: look again then.
-    grace_until: Option<Instant>,
     summary: RoutesSummary,
 }
 
@@ -223,12 +115,16 @@ impl Routes {
             routes: BTreeMap::new(),
             neighbours: BTreeMap::new(),
             fdb: BTreeSet::new(),
-            changed: true,
+            pending: BTreeSet::new(),
+            neighbours_changed: false,
+            unresolved: BTreeMap::new(),
+            missing_for_neighbours: BTreeSet::new(),
+            graced: BTreeSet::new(),
+            grace_until: None,
             links: None,
             new_links: HashMap::new(),
             observed: None,
             grace: GRACE,
-            grace_until: None,
             summary: RoutesSummary::default(),
         }
     }
@@ -239,23 +135,69 @@ impl Routes {
         self
     }
 
-    /// One source's whole share of routes and neighbours. A source whose
-    /// routes name a device that was missing at the last apply marks the
-    /// backend changed even when its share is the same (the device may
-    /// exist now).
+    /// One source's whole share of routes and neighbours; only the keys
+    /// that differ from its last share are looked at by the next apply.
+    /// Routes that wait for a missing device are looked at again too (the
+    /// device may exist now).
     pub fn set(
         &mut self,
         source: RouteSource,
         routes: BTreeMap<RouteKey, RouteTarget>,
         neighbours: BTreeSet<Neighbour>,
     ) {
-        if self.routes.get(&source) != Some(&routes)
-            || self.neighbours.get(&source) != Some(&neighbours)
-            || !self.summary.missing_devices.is_empty()
-        {
-            self.routes.insert(source, routes);
+        let old = self.routes.entry(source).or_default();
+        if *old != routes {
+            // A merge walk of the two sorted maps: only what differs.
+            let mut a = old.iter().peekable();
+            let mut b = routes.iter().peekable();
+            loop {
+                match (a.peek(), b.peek()) {
+                    (None, None) => break,
+                    (Some((ka, _)), None) => {
+                        self.pending.insert(**ka);
+                        a.next();
+                    }
+                    (None, Some((kb, _))) => {
+                        self.pending.insert(**kb);
+                        b.next();
+                    }
+                    (Some((ka, ta)), Some((kb, tb))) => match ka.cmp(kb) {
+                        std::cmp::Ordering::Less => {
+                            self.pending.insert(**ka);
+                            a.next();
+                        }
+                        std::cmp::Ordering::Greater => {
+                            self.pending.insert(**kb);
+                            b.next();
+                        }
+                        std::cmp::Ordering::Equal => {
+                            if ta != tb {
+                                self.pending.insert(**ka);
+                            }
+                            a.next();
+                            b.next();
+                        }
+                    },
+                }
+            }
+            *old = routes;
+        }
+        if self.neighbours.get(&source) != Some(&neighbours) {
             self.neighbours.insert(source, neighbours);
-            self.changed = true;
+            self.neighbours_changed = true;
+        }
+        self.retry_unresolved();
+    }
+
+    /// One route of one source: `None` removes it.
+    pub fn update(&mut self, source: RouteSource, key: RouteKey, target: Option<RouteTarget>) {
+        let share = self.routes.entry(source).or_default();
+        let changed = match target {
+            Some(t) => share.insert(key, t.clone()).as_ref() != Some(&t),
+            None => share.remove(&key).is_some(),
+        };
+        if changed {
+            self.pending.insert(key);
         }
     }
 
@@ -263,8 +205,14 @@ impl Routes {
     pub fn set_fdb(&mut self, fdb: BTreeSet<FdbEntry>) {
         if fdb != self.fdb {
             self.fdb = fdb;
-            self.changed = true;
+            self.neighbours_changed = true;
         }
+    }
+
+    /// What waits for a missing device is looked at again.
+    fn retry_unresolved(&mut self) {
+        self.pending.extend(self.unresolved.keys().copied());
+        self.neighbours_changed |= !self.missing_for_neighbours.is_empty();
     }
 
     /// A link appeared (interface monitor). Its index may be new for an
@@ -278,7 +226,7 @@ impl Routes {
             if name.starts_with(&self.own.workload_prefix) {
                 self.new_links.insert(index, Instant::now());
             }
-            self.changed = true;
+            self.retry_unresolved();
         }
     }
 
@@ -293,18 +241,32 @@ impl Routes {
         }
         self.new_links.remove(&index);
         if let Some(o) = &mut self.observed {
-            o.routes.retain(|_, r| r.oif != Some(index));
+            let gone: Vec<RouteKey> = o
+                .routes
+                .iter()
+                .filter(|(_, r)| r.oif == Some(index))
+                .map(|(k, _)| *k)
+                .collect();
+            for k in gone {
+                o.routes.remove(&k);
+                self.pending.insert(k);
+            }
+            let before = (o.neighbours.len(), o.fdb.len());
             o.neighbours.retain(|(i, _), _| *i != index);
             o.fdb.retain(|f| f.ifindex != index);
+            self.neighbours_changed |= before != (o.neighbours.len(), o.fdb.len());
         }
-        self.changed = true;
     }
 
     /// The routes every source wants, the lowest class winning a key.
     pub fn desired(&self) -> BTreeMap<RouteKey, RouteTarget> {
-        self.merged()
-            .into_iter()
-            .map(|(k, t)| (k, t.clone()))
+        let keys: BTreeSet<RouteKey> = self
+            .routes
+            .values()
+            .flat_map(|m| m.keys().copied())
+            .collect();
+        keys.into_iter()
+            .filter_map(|k| self.winner(&k).map(|t| (k, t.clone())))
             .collect()
     }
 
@@ -322,20 +284,12 @@ impl Routes {
         &self.summary
     }
 
-    /// The desired routes of every source, the lowest class winning a key.
-    fn merged(&self) -> BTreeMap<RouteKey, &RouteTarget> {
-        let mut out: BTreeMap<RouteKey, &RouteTarget> = BTreeMap::new();
-        for share in self.routes.values() {
-            for (k, t) in share {
-                match out.get(k) {
-                    Some(old) if old.class <= t.class => {}
-                    _ => {
-                        out.insert(*k, t);
-                    }
-                }
-            }
-        }
-        out
+    /// The route wanted for `key`: the lowest class among the sources.
+    fn winner(&self, key: &RouteKey) -> Option<&RouteTarget> {
+        self.routes
+            .values()
+            .filter_map(|m| m.get(key))
+            .min_by_key(|t| t.class)
     }
 
     fn read_links(&mut self) -> Result<(), BackendError> {
@@ -354,7 +308,7 @@ impl Routes {
         Ok(())
     }
 
-    fn read(&mut self) -> Result<(), BackendError> {
+    fn read(&mut self) -> Result<Observed, BackendError> {
         self.read_links()?;
         let names: HashMap<u32, &str> = self
             .links
@@ -380,10 +334,7 @@ impl Routes {
             }
         }
         for f in fdb {
-            let ours = names
-                .get(&f.ifindex)
-                .is_some_and(|d| self.own.tunnel_devices.iter().any(|t| t == d));
-            if ours {
+            if names.get(&f.ifindex).is_some_and(|d| self.own.is_tunnel(d)) {
                 o.fdb.insert(f);
             }
         }
@@ -393,8 +344,7 @@ impl Routes {
             fdb = o.fdb.len(),
             "read our routes"
         );
-        self.observed = Some(o);
-        Ok(())
+        Ok(o)
     }
 
     fn index_of(&mut self, dev: &str, redumped: &mut bool) -> Result<Option<u32>, BackendError> {
@@ -411,63 +361,106 @@ impl Routes {
         Ok(None)
     }
 
-    /// The ops that bring `observed` to the desired state.
-    fn plan(&mut self, observed: &Observed) -> Result<Plan, BackendError> {
-        let merged: Vec<(RouteKey, RouteTarget)> = self
-            .merged()
-            .into_iter()
-            .map(|(k, t)| (k, t.clone()))
-            .collect();
+    /// The ops that bring the `keys` of `observed` (and, if they changed,
+    /// the neighbours and FDB entries) to the desired state.
+    fn plan(
+        &mut self,
+        observed: &Observed,
+        keys: &BTreeSet<RouteKey>,
+        neighbours: bool,
+    ) -> Result<Plan, BackendError> {
         let mut redumped = false;
-        let mut missing = BTreeSet::new();
         let (mut adds, mut dels) = (Vec::new(), Vec::new());
-        let mut wanted_keys = BTreeSet::new();
-        let mut devices_with_routes = BTreeSet::new();
-        for (key, t) in &merged {
-            let oif = match &t.dev {
-                Some(d) => match self.index_of(d, &mut redumped)? {
-                    Some(i) => Some(i),
-                    None => {
-                        missing.insert(d.clone());
+        let mut unresolved = BTreeMap::new();
+        let mut graced = BTreeSet::new();
+        let mut grace_left: Option<Duration> = None;
+        let now = Instant::now();
+        for key in keys {
+            let want = match self.winner(key).cloned() {
+                None => None,
+                Some(t) => match &t.dev {
+                    None => Some(kernel_route(*key, &t, None)),
+                    Some(d) => match self.index_of(d, &mut redumped)? {
+                        Some(i) => Some(kernel_route(*key, &t, Some(i))),
+                        None => {
+                            unresolved.insert(*key, d.clone());
+                            continue;
+                        }
+                    },
+                },
+            };
+            let have = observed.routes.get(key);
+            match (want, have) {
+                (Some(w), h) if h != Some(&w) => adds.push(RouteOp::ReplaceRoute(w)),
+                (Some(_), _) => {}
+                (None, None) => {}
+                (None, Some(r)) => {
+                    if let Some(i) = r.oif
+                        && let Some(seen) = self.new_links.get(&i)
+                        && now.duration_since(*seen) < self.grace
+                        && !self.has_routes_on(i)
+                    {
+                        let left = self.grace - now.duration_since(*seen);
+                        grace_left = Some(grace_left.map_or(left, |g| g.min(left)));
+                        graced.insert(*key);
+                        debug!(dst = %key.dst, ifindex = i, "unexpected route on a new workload interface: in its grace period");
                         continue;
                     }
-                },
-                None => None,
-            };
-            wanted_keys.insert(*key);
-            if let Some(i) = oif {
-                devices_with_routes.insert(i);
-            }
-            let want = kernel_route(*key, t, oif);
-            if observed.routes.get(key) != Some(&want) {
-                adds.push(RouteOp::ReplaceRoute(want));
-            }
-        }
-        let now = Instant::now();
-        let mut grace_left: Option<Duration> = None;
-        for (key, r) in &observed.routes {
-            if wanted_keys.contains(key) {
-                continue;
-            }
-            if let Some(i) = r.oif
-                && !devices_with_routes.contains(&i)
-                && let Some(seen) = self.new_links.get(&i)
-            {
-                let age = now.duration_since(*seen);
-                if age < self.grace {
-                    let left = self.grace - age;
-                    grace_left = Some(grace_left.map_or(left, |g| g.min(left)));
-                    debug!(dst = %key.dst, ifindex = i, "unexpected route on a new workload interface: in its grace period");
-                    continue;
+                    dels.push(RouteOp::DeleteRoute(*key));
                 }
             }
-            dels.push(RouteOp::DeleteRoute(*key));
         }
-        // Neighbours.
+        let mut n_ops = Vec::new();
+        let mut n_dels = Vec::new();
+        let missing_for_neighbours = if neighbours {
+            let mut m = BTreeSet::new();
+            self.plan_neighbours(observed, &mut redumped, &mut n_ops, &mut n_dels, &mut m)?;
+            Some(m)
+        } else {
+            None
+        };
+        // Neighbours and FDB first (what the routes lead to), then routes,
+        // then removals.
+        n_ops.extend(adds);
+        n_ops.extend(dels);
+        n_ops.extend(n_dels);
+        Ok(Plan {
+            ops: n_ops,
+            unresolved,
+            missing_for_neighbours,
+            graced,
+            grace_left,
+        })
+    }
+
+    /// Whether any desired route goes through link `index`.
+    fn has_routes_on(&self, index: u32) -> bool {
+        let Some(name) = self
+            .links
+            .iter()
+            .flatten()
+            .find(|(_, i)| **i == index)
+            .map(|(n, _)| n)
+        else {
+            return false;
+        };
+        self.routes
+            .values()
+            .flat_map(|m| m.values())
+            .any(|t| t.dev.as_ref() == Some(name))
+    }
+
+    fn plan_neighbours(
+        &mut self,
+        observed: &Observed,
+        redumped: &mut bool,
+        adds: &mut Vec<RouteOp>,
+        dels: &mut Vec<RouteOp>,
+        missing: &mut BTreeSet<String>,
+    ) -> Result<(), BackendError> {
         let mut want_n: BTreeMap<(u32, IpAddr), MacAddr> = BTreeMap::new();
-        let all_n: Vec<Neighbour> = self.neighbours.values().flatten().cloned().collect();
-        for n in all_n {
-            match self.index_of(&n.dev, &mut redumped)? {
+        for n in self.desired_neighbours() {
+            match self.index_of(&n.dev, redumped)? {
                 Some(i) => {
                     want_n.insert((i, n.addr), n.mac);
                 }
@@ -476,14 +469,13 @@ impl Routes {
                 }
             }
         }
-        let mut n_adds = Vec::new();
         for ((i, addr), mac) in &want_n {
             let ok = observed
                 .neighbours
                 .get(&(*i, *addr))
                 .is_some_and(|k| k.mac == Some(*mac));
             if !ok {
-                n_adds.push(RouteOp::ReplaceNeighbour {
+                adds.push(RouteOp::ReplaceNeighbour {
                     ifindex: *i,
                     addr: *addr,
                     mac: *mac,
@@ -498,10 +490,9 @@ impl Routes {
                 });
             }
         }
-        // FDB.
         let mut want_f = BTreeSet::new();
         for f in self.fdb.clone() {
-            match self.index_of(&f.dev, &mut redumped)? {
+            match self.index_of(&f.dev, redumped)? {
                 Some(i) => {
                     want_f.insert(KernelFdb {
                         ifindex: i,
@@ -515,20 +506,12 @@ impl Routes {
             }
         }
         for f in want_f.difference(&observed.fdb) {
-            n_adds.push(RouteOp::AddFdb(f.clone()));
+            adds.push(RouteOp::AddFdb(f.clone()));
         }
         for f in observed.fdb.difference(&want_f) {
             dels.push(RouteOp::DeleteFdb(f.clone()));
         }
-        // Neighbours and FDB first (what the routes lead to), then routes,
-        // then removals.
-        n_adds.extend(adds);
-        n_adds.extend(dels);
-        Ok(Plan {
-            ops: n_adds,
-            missing: missing.into_iter().collect(),
-            grace_left,
-        })
+        Ok(())
     }
 }
 
@@ -536,31 +519,15 @@ impl Routes {
 #[derive(Debug)]
 struct Plan {
     ops: Vec<RouteOp>,
-    /// Devices named by desired routes that could not be resolved.
-    missing: Vec<String>,
-    /// How long until a grace period ends, if one held back a deletion.
+    /// Routes looked at whose device could not be resolved, by key.
+    unresolved: BTreeMap<RouteKey, String>,
+    /// Devices of wanted neighbours and FDB entries that are missing (when
+    /// those were looked at).
+    missing_for_neighbours: Option<BTreeSet<String>>,
+    /// Deletions held back by a grace period.
+    graced: BTreeSet<RouteKey>,
+    /// How long until that grace period ends.
     grace_left: Option<Duration>,
-}
-
-/// The kernel form of a desired route.
-pub fn kernel_route(key: RouteKey, t: &RouteTarget, oif: Option<u32>) -> KernelRoute {
-    KernelRoute {
-        key,
-        kind: match t.kind {
-            RouteKind::Unicast => RTN_UNICAST,
-            RouteKind::Blackhole => RTN_BLACKHOLE,
-        },
-        oif,
-        gateway: t.gateway,
-        onlink: t.onlink,
-        // IPv6 routes have no scope: the kernel reports universe for all.
-        scope: match (t.scope(), key.dst) {
-            (RouteScope::Link, IpNet::V4(_)) => RT_SCOPE_LINK,
-            _ => RT_SCOPE_UNIVERSE,
-        },
-        protocol: t.protocol,
-        mtu: t.mtu,
-    }
 }
 
 /// Applies one op to what we believe the kernel holds.
@@ -606,7 +573,8 @@ impl Backend for Routes {
 
     fn is_dirty(&self, phase: Phase) -> bool {
         phase == Phase::RoutesAndRules
-            && (self.changed
+            && (!self.pending.is_empty()
+                || self.neighbours_changed
                 || self.observed.is_none()
                 || self.grace_until.is_some_and(|t| Instant::now() >= t))
     }
@@ -619,21 +587,45 @@ impl Backend for Routes {
 
     #[instrument(level = "debug", skip(self), fields(backend = "routes"))]
     fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
-        if self.observed.is_none() {
-            self.read()?;
+        let (mut observed, full) = match self.observed.take() {
+            Some(o) => (o, false),
+            None => (self.read()?, true),
+        };
+        // After a read every key is looked at: ours in the kernel and
+        // wanted; otherwise only what changed, and what a grace period held
+        // back once it is over.
+        let mut keys = std::mem::take(&mut self.pending);
+        if full {
+            keys.extend(observed.routes.keys().copied());
+            keys.extend(self.routes.values().flat_map(|m| m.keys().copied()));
         }
-        let mut observed = self.observed.take().expect("read above");
-        let Plan {
-            ops,
-            missing,
-            grace_left,
-        } = match self.plan(&observed) {
+        if self.grace_until.is_some_and(|t| Instant::now() >= t) || full {
+            keys.extend(std::mem::take(&mut self.graced));
+            self.grace_until = None;
+        }
+        let neighbours = full || self.neighbours_changed;
+        let plan = match self.plan(&observed, &keys, neighbours) {
             Ok(p) => p,
             Err(e) => {
-                self.observed = Some(observed);
+                self.pending.extend(keys);
                 return Err(e);
             }
         };
+        for k in &keys {
+            self.unresolved.remove(k);
+        }
+        self.unresolved.extend(plan.unresolved);
+        if let Some(m) = plan.missing_for_neighbours {
+            self.missing_for_neighbours = m;
+        }
+        let missing: Vec<String> = self
+            .unresolved
+            .values()
+            .chain(&self.missing_for_neighbours)
+            .cloned()
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
         if missing != self.summary.missing_devices {
             if missing.is_empty() {
                 info!("every device our routes name exists now");
@@ -641,10 +633,11 @@ impl Backend for Routes {
                 warn!(devices = ?missing, "routes to devices that do not exist are left out until they appear");
             }
         }
+        let ops = plan.ops;
         let failures = if ops.is_empty() {
             Vec::new()
         } else {
-            debug!(ops = ops.len(), "netlink writes");
+            debug!(ops = ops.len(), looked_at = keys.len(), "netlink writes");
             for op in &ops {
                 tracing::trace!(?op, "netlink write");
             }
@@ -662,6 +655,9 @@ impl Backend for Routes {
             fdb: observed.fdb.len(),
             missing_devices: missing,
         };
+        self.graced.extend(plan.graced);
+        self.grace_until = plan.grace_left.map(|d| Instant::now() + d);
+        self.neighbours_changed = false;
         if let Some((i, first)) = failures.into_iter().next() {
             warn!(op = ?ops[i], error = %first, failed = failed.len(), "route writes failed; re-reading before the retry");
             // What failed may have been half done or overtaken (a device
@@ -671,10 +667,8 @@ impl Backend for Routes {
             return Err(first);
         }
         self.observed = Some(observed);
-        self.changed = false;
-        self.grace_until = grace_left.map(|d| Instant::now() + d);
         Ok(ApplyOutcome {
-            reschedule_after: grace_left,
+            reschedule_after: plan.grace_left,
         })
     }
 

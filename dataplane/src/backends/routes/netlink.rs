@@ -20,7 +20,7 @@ use netlink_packet_route::route::{
 };
 use rtnetlink::RouteMessageBuilder;
 
-use super::{KernelFdb, KernelNeighbour, KernelRoute, Link, RouteOp, RouteSeam};
+use super::kernel::{KernelFdb, KernelNeighbour, KernelRoute, Link, RouteOp, RouteSeam};
 use crate::backends::BackendError;
 use crate::backends::netlink::{Netlink, errno};
 use crate::model::MacAddr;

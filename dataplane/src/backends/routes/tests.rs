@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::*;
-use crate::model::routes::RouteClass;
+use crate::model::routes::{RouteClass, RouteKind};
 
 /// A kernel in memory: links, routes, neighbours and FDB entries, and every
 /// write made to it. Writes change it as the kernel would.
@@ -515,4 +515,86 @@ fn a_failed_write_is_retried_after_a_fresh_read() {
             Some(3)
         ))]
     );
+}
+
+#[test]
+fn a_change_looks_only_at_the_keys_it_touches() {
+    let k = Fake::with_links(&[(3, "cali1")]);
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    let many: BTreeMap<RouteKey, RouteTarget> = (0..1000u32)
+        .map(|i| {
+            let dst = format!("10.{}.{}.0/26", 100 + i / 256, i % 256);
+            (key(&dst), blackhole())
+        })
+        .collect();
+    r.set(RouteSource::Cluster, many.clone(), BTreeSet::new());
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(k.take_writes().len(), 1000);
+    // A foreign change the refresh would see is not looked for between
+    // refreshes: an apply only visits what changed.
+    k.0.lock().unwrap().routes.remove(&key("10.100.5.0/26"));
+    let mut one_more = many.clone();
+    one_more.insert(key("10.200.0.0/26"), blackhole());
+    r.set(RouteSource::Cluster, one_more, BTreeSet::new());
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![RouteOp::ReplaceRoute(kernel_route(
+            key("10.200.0.0/26"),
+            &blackhole(),
+            None
+        ))]
+    );
+    r.update(RouteSource::Cluster, key("10.200.0.0/26"), None);
+    r.update(
+        RouteSource::Cluster,
+        key("10.100.7.0/26"),
+        Some(blackhole()),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![RouteOp::DeleteRoute(key("10.200.0.0/26"))],
+        "an update to the same value is no change"
+    );
+    assert_eq!(k.0.lock().unwrap().dumps, 1, "no re-read");
+    // The refresh tick reads and looks at everything: the route deleted by
+    // hand comes back.
+    r.request_resync(Refresh::Routes);
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![RouteOp::ReplaceRoute(kernel_route(
+            key("10.100.5.0/26"),
+            &blackhole(),
+            None
+        ))]
+    );
+}
+
+#[test]
+fn routes_waiting_for_a_device_keep_waiting_across_other_changes() {
+    let k = Fake::with_links(&[(3, "cali1")]);
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    r.set(
+        RouteSource::Workloads,
+        [(key("10.65.0.3/32"), dev_route("cali2"))].into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    // Something else changes meanwhile.
+    r.update(RouteSource::Cluster, key("10.65.9.0/26"), Some(blackhole()));
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(r.summary().missing_devices, vec!["cali2".to_string()]);
+    k.take_writes();
+    // cali2 appears: the interface monitor tells us.
+    k.0.lock().unwrap().links.push(Link {
+        index: 5,
+        name: "cali2".into(),
+    });
+    r.link_added(5, "cali2");
+    assert!(r.is_dirty(Phase::RoutesAndRules));
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(k.take_writes().len(), 1);
+    assert!(r.summary().missing_devices.is_empty());
 }

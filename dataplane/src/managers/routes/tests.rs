@@ -522,3 +522,56 @@ fn bad_input_is_refused_with_a_reason() {
         "vtep_update.parent_device_ip"
     );
 }
+
+#[test]
+fn a_route_update_is_worked_out_alone_and_workload_links_change_nothing() {
+    let mut m = vxlan_node();
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    // A pod's veth comes and goes: nothing of ours depends on it.
+    m.on_interface(&InterfaceEvent::Link {
+        index: 7,
+        name: "cali9".into(),
+        up: true,
+        mtu: 1500,
+    });
+    m.on_interface(&InterfaceEvent::LinkRemoved {
+        index: 7,
+        name: "cali9".into(),
+    });
+    assert!(!m.all_dirty);
+    // Another block of node 2: that destination alone.
+    m.on_update(&Update::Route(route(
+        REMOTE_WORKLOAD,
+        POOL_VXLAN,
+        "10.65.4.0/26",
+        "node2",
+        "172.31.77.2",
+    )));
+    assert!(!m.all_dirty);
+    assert_eq!(m.dirty_dsts.len(), 1);
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        routes(&k).contains(
+            &"10.65.4.0/26 via 10.65.2.0 dev vxlan.calico onlink proto 3 mtu 1450".to_string()
+        ),
+        "{:?}",
+        routes(&k)
+    );
+    let status: BTreeMap<_, _> = m.status().into_iter().collect();
+    assert_eq!(status["routes.vxlan"], "4");
+    // An address elsewhere on the underlay changes nothing either; a new
+    // MTU of the parent does.
+    m.on_interface(&InterfaceEvent::AddrAdded {
+        index: 2,
+        addr: "172.31.78.1/24".parse().unwrap(),
+    });
+    assert!(!m.all_dirty);
+    m.on_interface(&InterfaceEvent::Link {
+        index: 2,
+        name: "eth0".into(),
+        up: true,
+        mtu: 9000,
+    });
+    assert!(m.all_dirty);
+}
