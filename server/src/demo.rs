@@ -111,10 +111,27 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     if !st.success() {
         bail!("ip netns add {} failed", ns.0);
     }
-    // The namespace starts with loopback down; bring it up as a node would have it.
-    let _ = Command::new("ip")
-        .args(["-n", &ns.0, "link", "set", "lo", "up"])
-        .status();
+    // The namespace starts with loopback down; bring it up as a node would
+    // have it, with an underlay interface holding this node's address (the
+    // VXLAN device's parent). Both ends of its veth stay in the sandbox.
+    for args in [
+        &["link", "set", "lo", "up"][..],
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "uplink",
+        ],
+        &["addr", "add", "192.0.2.11/24", "dev", "eth0"],
+        &["link", "set", "eth0", "up"],
+        &["link", "set", "uplink", "up"],
+    ] {
+        let st = Command::new("ip")
+            .args(["-n", &ns.0])
+            .args(args)
+            .status()
+            .context("running `ip`")?;
+        if !st.success() {
+            bail!("ip {args:?} in the sandbox failed");
+        }
+    }
     // The node-wide settings the daemon makes (as Felix): read before it
     // starts, shown again once it is in sync.
     let before: Vec<String> = NODE_SETTINGS.iter().map(|k| sysctl(&ns.0, k)).collect();
@@ -125,7 +142,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         Command::new("ip")
             .args(["netns", "exec", &ns.0])
             .arg(&exe)
-            .args(["serve", "--socket"])
+            .args(["serve", "--hostname", "node-1", "--socket"])
             .arg(&socket)
             .env("DPH_LOG", log)
             .stdout(Stdio::null())
@@ -255,10 +272,42 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
             println!("  {l}");
         }
     }
+    println!("routes between nodes in the sandbox's kernel:");
+    for (what, args) in [
+        ("VXLAN device", &["-d", "link", "show", "vxlan.calico"][..]),
+        (
+            "its address",
+            &["-4", "addr", "show", "dev", "vxlan.calico"],
+        ),
+        ("routes (ip -d route)", &["-d", "route", "show"]),
+        ("VTEP neighbours", &["neigh", "show", "dev", "vxlan.calico"]),
+    ] {
+        println!("  {what}:");
+        let out = Command::new("ip").args(["-n", &ns.0]).args(args).output()?;
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            println!("    {}", l.trim());
+        }
+    }
+    let fdb = Command::new("bridge")
+        .args(["-n", &ns.0, "fdb", "show", "dev", "vxlan.calico"])
+        .output()?;
+    println!("  VTEP FDB entries (bridge fdb):");
+    for l in String::from_utf8_lossy(&fdb.stdout)
+        .lines()
+        .filter(|l| l.contains(" dst "))
+    {
+        println!("    {l}");
+    }
+    println!("status details (dphctl status shows the same):");
+    let mut details: Vec<_> = st.details.iter().collect();
+    details.sort();
+    for (k, v) in details {
+        println!("  {k:<32}{v}");
+    }
     println!(
         "(the workload's interface does not exist in the sandbox, so no route to it is \
-         programmed; routes between nodes, VXLAN, WireGuard and XDP are the next issues: \
-         validated and held, not yet written to the kernel)"
+         programmed; WireGuard and XDP are the next issues: validated and held, not yet \
+         written to the kernel)"
     );
     drop(replies);
     drop(updates);
@@ -282,7 +331,7 @@ mod tests {
     fn bundled_scenario_parses_and_ends_in_sync() {
         let mut msgs = dphandler_proto::text::parse_to_dataplane(SCENARIO).unwrap();
         dphandler_proto::text::number(&mut msgs);
-        assert_eq!(msgs.len(), 11);
+        assert_eq!(msgs.len(), 17);
         assert!(matches!(
             msgs.last().unwrap().payload,
             Some(Payload::InSync(_))

@@ -815,7 +815,19 @@ impl Manager for RoutesManager {
     }
 
     fn status(&self) -> Vec<(String, String)> {
-        let mut out = vec![("node".to_string(), self.hostname().to_string())];
+        let mut out = vec![
+            ("node".to_string(), self.hostname().to_string()),
+            (
+                "ipip".to_string(),
+                if self.underlay.2 {
+                    format!("available ({IPIP_DEVICE} exists)")
+                } else {
+                    format!(
+                        "unavailable: no {IPIP_DEVICE} (this kernel has no ipip module); IPIP routes wait"
+                    )
+                },
+            ),
+        ];
         for (dev, s) in &self.vxlan_state {
             out.push((format!("vxlan.{dev}"), s.clone()));
         }

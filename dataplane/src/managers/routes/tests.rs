@@ -458,6 +458,7 @@ fn no_encap_and_ipip_pools() {
         status["routes.waiting.0"].contains("no ipip module"),
         "{status:?}"
     );
+    assert!(status["ipip"].starts_with("unavailable"), "{status:?}");
     // A kernel with the ipip module has tunl0.
     m.on_interface(&InterfaceEvent::Link {
         index: 9,
@@ -466,6 +467,10 @@ fn no_encap_and_ipip_pools() {
         mtu: 1480,
     });
     m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        m.status()
+            .contains(&("ipip".into(), "available (tunl0 exists)".into()))
+    );
     assert!(
         routes(&k).contains(&"10.67.2.0/26 via 192.168.50.2 dev tunl0 onlink proto 80".to_string()),
         "{:?}",
