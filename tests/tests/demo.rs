@@ -22,7 +22,7 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("DataplaneInSync after"), "{stdout}");
-    assert!(stdout.contains("programmed up to sequence 11"), "{stdout}");
+    assert!(stdout.contains("programmed up to sequence 17"), "{stdout}");
     assert!(
         stdout.contains("sequence 9: ipset_update.members[1]"),
         "{stdout}"
@@ -32,6 +32,17 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         stdout.contains("dph40s:frontend-pods        hash:ip       2 members"),
         "{stdout}"
     );
+    // Pod traffic between nodes: the VXLAN device, the other node's block
+    // through its VTEP, this node's block as a blackhole.
+    for want in [
+        "vxlan id 4096 local 192.0.2.11 dev eth0",
+        "unicast 10.65.1.0/26 via 10.65.1.0 dev vxlan.calico proto boot scope global onlink mtu 1450",
+        "blackhole 10.65.0.0/26 proto 80",
+        "10.65.1.0 lladdr 66:6a:00:00:00:02 PERMANENT",
+        "66:6a:00:00:00:02 dst 192.0.2.12 self permanent",
+    ] {
+        assert!(stdout.contains(want), "{want:?} in {stdout}");
+    }
     // The namespace it named is gone.
     let ns = stdout
         .split_whitespace()
