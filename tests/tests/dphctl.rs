@@ -71,7 +71,7 @@ async fn push_watch_status() -> Result<()> {
     );
     let stdout = text(&out.stdout);
     assert!(
-        stdout.contains("1 rejected") && stdout.contains("programmed up to sequence 11"),
+        stdout.contains("1 rejected") && stdout.contains("programmed up to sequence 17"),
         "{stdout}"
     );
 
@@ -94,12 +94,12 @@ async fn push_watch_status() -> Result<()> {
         "the demo's workload has no interface here, so it is down: {lines:?}"
     );
 
-    // status --json: in sync, sequence 11, objects by kind.
+    // status --json: in sync, sequence 17, objects by kind.
     let out = dphctl(&socket, &["status", "--json"], None)?;
     assert!(out.status.success(), "{}", text(&out.stderr));
     let st: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(st["inSync"], true, "{st}");
-    assert_eq!(st["lastProgrammedSequence"], "11", "{st}");
+    assert_eq!(st["lastProgrammedSequence"], "17", "{st}");
     assert_eq!(st["objects"]["ipset"], "3", "{st}");
     assert_eq!(st["objects"]["policy"], "1", "{st}");
     assert_eq!(st["objects"]["workload_endpoint"], "1", "{st}");
