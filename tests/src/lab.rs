@@ -246,6 +246,61 @@ pub fn serve(ns: &str, tcp: &[u16], udp: &[u16]) -> Servers {
     Servers(stop)
 }
 
+/// A TCP echo server on `port` (`::`, IPv4 too) in `ns`: every connection
+/// gets back what it sends, for as long as it stays open. Returns once
+/// bound; stopped on drop.
+pub fn echo(ns: &str, port: u16) -> Servers {
+    use std::io::{Read, Write};
+    let stop = Arc::new(AtomicBool::new(false));
+    let file = std::fs::File::open(format!("/run/netns/{ns}")).expect("netns file");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let l = TcpListener::bind(("::", port)).expect("bind tcp");
+        l.set_nonblocking(true).unwrap();
+        tx.send(()).unwrap();
+        while !flag.load(Ordering::Relaxed) {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    let flag = flag.clone();
+                    std::thread::spawn(move || {
+                        s.set_nonblocking(false).unwrap();
+                        s.set_read_timeout(Some(Duration::from_millis(100)))
+                            .unwrap();
+                        let mut buf = [0u8; 256];
+                        while !flag.load(Ordering::Relaxed) {
+                            match s.read(&mut buf) {
+                                Ok(0) => break,
+                                Ok(n) => {
+                                    if s.write_all(&buf[..n]).is_err() {
+                                        break;
+                                    }
+                                }
+                                Err(e)
+                                    if e.kind() == std::io::ErrorKind::WouldBlock
+                                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                                Err(_) => break,
+                            }
+                        }
+                    });
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    rx.recv().expect("echo server thread");
+    Servers(stop)
+}
+
+/// A TCP connection made from inside `from` (the socket stays in that
+/// namespace; it can be used from any thread).
+pub fn connect(from: &Netns, to: SocketAddr) -> std::io::Result<TcpStream> {
+    in_ns(&from.0, move || {
+        TcpStream::connect_timeout(&to, Duration::from_secs(2))
+    })
+}
+
 /// Whether a TCP connection from inside `from` to `to` succeeds in time.
 pub fn tcp_ok(from: &Netns, to: SocketAddr, timeout: Duration) -> bool {
     in_ns(&from.0, move || {

@@ -13,7 +13,7 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use dphandler_tests::lab::{Probe, WorkloadSpec, probe, serve, workload, yaml_msgs};
+use dphandler_tests::lab::{Probe, WorkloadSpec, connect, echo, probe, serve, workload, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 const PODS: [&str; 2] = ["10.65.1.2", "10.65.2.2"];
@@ -21,6 +21,13 @@ const BLOCKS: [&str; 2] = ["10.65.1.0/26", "10.65.2.0/26"];
 const UNDERLAY: [&str; 2] = ["172.31.77.1", "172.31.77.2"];
 const VTEP_IPS: [&str; 2] = ["10.65.1.0", "10.65.2.0"];
 const VTEP_MACS: [&str; 2] = ["66:6a:00:00:00:01", "66:6a:00:00:00:02"];
+// IPv6: the VXLAN feed is dual-stack (vxlan-v6.calico over an IPv6
+// underlay).
+const PODS6: [&str; 2] = ["fd00:65:1::2", "fd00:65:2::2"];
+const BLOCKS6: [&str; 2] = ["fd00:65:1::/122", "fd00:65:2::/122"];
+const UNDERLAY6: [&str; 2] = ["fd00:77::1", "fd00:77::2"];
+const VTEP_IPS6: [&str; 2] = ["fd00:65:1::", "fd00:65:2::"];
+const VTEP_MACS6: [&str; 2] = ["66:6b:00:00:00:01", "66:6b:00:00:00:02"];
 const PROBES: [Probe; 3] = [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp];
 
 /// Pool types and route types of `RouteUpdate` (felixbackend.proto).
@@ -53,6 +60,20 @@ fn cluster(tag: &str) -> Result<[Node; 2]> {
             "ip",
             &["addr", "add", &format!("{}/24", UNDERLAY[i]), "dev", "eth0"],
         )?;
+        // The underlay's IPv6 address is there at once (no DAD: the test's
+        // underlay, not the daemon's business).
+        ns.run(
+            "ip",
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{}/64", UNDERLAY6[i]),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+        )?;
         ns.run("ip", &["link", "set", "eth0", "up"])?;
         // Someone else's route (an admin's, another agent's): not ours by
         // protocol nor by device.
@@ -75,7 +96,7 @@ fn cluster(tag: &str) -> Result<[Node; 2]> {
                 iface,
                 n: i as u8 + 1,
                 v4: PODS[i],
-                v6: None,
+                v6: Some(PODS6[i]),
                 host_route: false,
                 host_neigh: false,
             },
@@ -91,52 +112,71 @@ fn cluster(tag: &str) -> Result<[Node; 2]> {
 }
 
 fn route(types: u32, pool: &str, dst: &str, node: usize, extra: &str) -> String {
+    let ip = if dst.contains(':') {
+        UNDERLAY6[node]
+    } else {
+        UNDERLAY[node]
+    };
     format!(
-        "routeUpdate: {{types: {types}, ipPoolType: {pool}, dst: '{dst}', dstNodeName: node{n}, dstNodeIp: '{ip}'{extra}}}\n",
+        "routeUpdate: {{types: {types}, ipPoolType: {pool}, dst: '{dst}', dstNodeName: node{n}, dstNodeIp: '{ip}'{extra}}}\n---\n",
         n = node + 1,
-        ip = UNDERLAY[node]
     )
 }
 
-/// What Calico's calc graph sends node `me` (0 or 1).
+/// What Calico's calc graph sends node `me` (0 or 1): with a VXLAN pool
+/// dual-stack, with a no-encap pool IPv4 only.
 fn feed(me: usize, pool: &str, encap: &str) -> String {
     let other = 1 - me;
+    let v6 = pool == VXLAN;
     let iface = if me == 0 { "caliA" } else { "caliB" };
+    let v6_nets = if v6 {
+        format!("    ipv6Nets: ['{}/128']\n", PODS6[me])
+    } else {
+        String::new()
+    };
     let mut y = format!(
         "encapsulation: {{{encap}}}\n---\n\
          activeProfileUpdate:\n  id: {{name: kns.ns}}\n  profile:\n    inboundRules: [{{action: allow}}]\n    outboundRules: [{{action: allow}}]\n---\n\
-         workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/pod{me}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    mac: '02:00:00:00:00:0{}'\n    ipv4Nets: [{}/32]\n    profileIds: [kns.ns]\n---\n",
+         workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/pod{me}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    mac: '02:00:00:00:00:0{}'\n    ipv4Nets: [{}/32]\n{v6_nets}    profileIds: [kns.ns]\n---\n",
         me + 1,
         PODS[me]
     );
     for n in 0..2 {
         y += &format!(
-            "hostMetadataUpdate: {{hostname: node{}, ipv4Addr: '{}'}}\n---\n",
+            "hostMetadataUpdate: {{hostname: node{}, ipv4Addr: '{}', ipv6Addr: '{}'}}\n---\n",
             n + 1,
-            UNDERLAY[n]
+            UNDERLAY[n],
+            UNDERLAY6[n]
         );
         if pool == VXLAN {
             y += &format!(
-                "vtepUpdate: {{node: node{}, mac: '{}', ipv4Addr: '{}', parentDeviceIp: '{}'}}\n---\n",
+                "vtepUpdate: {{node: node{}, mac: '{}', ipv4Addr: '{}', parentDeviceIp: '{}', macV6: '{}', ipv6Addr: '{}', parentDeviceIpv6: '{}'}}\n---\n",
                 n + 1,
                 VTEP_MACS[n],
                 VTEP_IPS[n],
-                UNDERLAY[n]
+                UNDERLAY[n],
+                VTEP_MACS6[n],
+                VTEP_IPS6[n],
+                UNDERLAY6[n]
             );
         }
     }
-    y += &route(LOCAL_WORKLOAD, pool, BLOCKS[me], me, "");
-    y += "---\n";
-    y += &route(
-        LOCAL_WORKLOAD,
-        pool,
-        &format!("{}/32", PODS[me]),
-        me,
-        ", localWorkload: true",
-    );
-    y += "---\n";
-    y += &route(REMOTE_WORKLOAD, pool, BLOCKS[other], other, "");
-    y += "---\ninSync: {}\n";
+    let mut blocks = vec![(BLOCKS, PODS, "/32")];
+    if v6 {
+        blocks.push((BLOCKS6, PODS6, "/128"));
+    }
+    for (b, p, host) in blocks {
+        y += &route(LOCAL_WORKLOAD, pool, b[me], me, "");
+        y += &route(
+            LOCAL_WORKLOAD,
+            pool,
+            &format!("{}{host}", p[me]),
+            me,
+            ", localWorkload: true",
+        );
+        y += &route(REMOTE_WORKLOAD, pool, b[other], other, "");
+    }
+    y += "inSync: {}\n";
     y
 }
 
@@ -247,7 +287,7 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     }
     let dir = tempdir()?;
     let nodes = cluster("vx")?;
-    let encap = "vxlanEnabled: true";
+    let encap = "vxlanEnabled: true, vxlanEnabledV6: true";
     let feeds = [feed(0, VXLAN, encap), feed(1, VXLAN, encap)];
     let mut daemons = Vec::new();
     for (i, n) in nodes.iter().enumerate() {
@@ -302,6 +342,47 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
             )),
             "{fdb}"
         );
+        // The same over IPv6: vxlan-v6.calico, MTU − 70.
+        let link = stdout(&n.ns, "ip", &["-d", "link", "show", "vxlan-v6.calico"])?;
+        for want in [
+            "vxlan id 4096",
+            &format!("local {}", UNDERLAY6[i]),
+            "dev eth0",
+            VTEP_MACS6[i],
+            "mtu 1430",
+        ] {
+            assert!(link.contains(want), "node{}: {want:?} in {link}", i + 1);
+        }
+        let r = stdout(&n.ns, "ip", &["-6", "route", "show", BLOCKS6[other]])?;
+        assert!(
+            r.contains(&format!("via {} dev vxlan-v6.calico", VTEP_IPS6[other]))
+                && r.contains("onlink")
+                && r.contains("mtu 1430"),
+            "node{}: {r}",
+            i + 1
+        );
+        let bh = stdout(&n.ns, "ip", &["-6", "route", "show", "type", "blackhole"])?;
+        assert!(bh.contains(BLOCKS6[i]), "node{}: {bh}", i + 1);
+        let neigh = stdout(
+            &n.ns,
+            "ip",
+            &["-6", "neigh", "show", "dev", "vxlan-v6.calico"],
+        )?;
+        assert!(
+            neigh.contains(&format!(
+                "{} lladdr {} PERMANENT",
+                VTEP_IPS6[other], VTEP_MACS6[other]
+            )),
+            "{neigh}"
+        );
+        let fdb = stdout(&n.ns, "bridge", &["fdb", "show", "dev", "vxlan-v6.calico"])?;
+        assert!(
+            fdb.contains(&format!(
+                "{} dst {} self permanent",
+                VTEP_MACS6[other], UNDERLAY6[other]
+            )),
+            "{fdb}"
+        );
     }
 
     // What node 1 reports (GetStatus; `dphctl status` prints the same).
@@ -314,14 +395,15 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
     assert_eq!(d.get("node").map(String::as_str), Some("node1"), "{d:?}");
     // Whether this kernel can do IPIP (tunl0) is reported either way.
     assert!(d.contains_key("ipip"), "{d:?}");
+    // One route to the other node's block and one blackhole per family.
     assert_eq!(
         d.get("routes.vxlan").map(String::as_str),
-        Some("1"),
+        Some("2"),
         "{d:?}"
     );
     assert_eq!(
         d.get("routes.blackhole").map(String::as_str),
-        Some("1"),
+        Some("2"),
         "{d:?}"
     );
     assert!(
@@ -329,21 +411,32 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
             .is_some_and(|v| v.contains("vni 4096") && v.contains("parent eth0")),
         "{d:?}"
     );
-    assert_eq!(d.get("kernel.fdb").map(String::as_str), Some("1"), "{d:?}");
+    assert!(
+        d.get("vxlan.vxlan-v6.calico")
+            .is_some_and(|v| v.contains("local fd00:77::1") && v.contains("mtu 1430")),
+        "{d:?}"
+    );
+    assert_eq!(d.get("kernel.fdb").map(String::as_str), Some("2"), "{d:?}");
     assert!(!d.keys().any(|k| k.starts_with("routes.waiting")), "{d:?}");
 
     // A to B and back, over VXLAN: the underlay carries UDP 4789 and no
     // pod address in the clear.
     let vxlan_seen = Capture::start(&nodes[1].ns, "udp dst port 4789")?;
-    let clear = Capture::start(&nodes[1].ns, "net 10.65.0.0/16 and not udp port 4789")?;
+    let clear = Capture::start(
+        &nodes[1].ns,
+        "(net 10.65.0.0/16 or net fd00:65::/48) and not udp port 4789",
+    )?;
     assert_all(&nodes[0].pod, PODS[1], true, "A -> B");
     assert_all(&nodes[1].pod, PODS[0], true, "B -> A");
+    assert_all(&nodes[0].pod, PODS6[1], true, "A -> B over IPv6");
+    assert_all(&nodes[1].pod, PODS6[0], true, "B -> A over IPv6");
     let (vx, clear) = (vxlan_seen.finish(), clear.finish());
-    assert!(
-        vx.iter()
-            .any(|l| l.contains(&format!("{}.4789", UNDERLAY[1]))),
-        "no VXLAN on the underlay: {vx:?}"
-    );
+    for dst in [UNDERLAY[1], UNDERLAY6[1]] {
+        assert!(
+            vx.iter().any(|l| l.contains(&format!("{dst}.4789"))),
+            "no VXLAN to {dst} on the underlay: {vx:?}"
+        );
+    }
     assert!(clear.is_empty(), "pod addresses in the clear: {clear:?}");
 
     // Blackhole: an address of node 1's block with no workload gets no
@@ -379,7 +472,22 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
         .run("ip", &["route", "del", "default", "via", UNDERLAY[1]])?;
 
     // A restart of either daemon drops nothing: a ping every 20 ms runs
-    // through both restarts.
+    // through both restarts, and a TCP connection made before them still
+    // carries data after them.
+    let _echo = echo(&nodes[1].pod.0, 7);
+    let mut conn = connect(&nodes[0].pod, format!("{}:7", PODS[1]).parse()?)?;
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut roundtrip = |msg: &[u8]| -> Result<()> {
+        use std::io::{Read, Write};
+        conn.write_all(msg)?;
+        let mut got = vec![0u8; msg.len()];
+        conn.read_exact(&mut got)?;
+        if got != msg {
+            bail!("echo returned {got:?}");
+        }
+        Ok(())
+    };
+    roundtrip(b"before")?;
     let pinger = nodes[0]
         .pod
         .command("ping")
@@ -393,6 +501,8 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
         daemons[i] = Some(start(&nodes[i], i, dir.path(), &feeds[i]).await?);
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    roundtrip(b"after both restarts")
+        .context("the TCP connection made before the restarts broke")?;
     let out = pinger.wait_with_output()?;
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(
