@@ -3,12 +3,14 @@
 //! run from inside namespaces. Everything stays inside the test's own
 //! namespaces.
 
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use dphandler_proto::felix;
 
 use crate::Netns;
@@ -340,5 +342,73 @@ pub fn probe(from: &Netns, to: &str, p: Probe) -> bool {
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false),
+    }
+}
+
+/// A packet capture (`tcpdump`) on `eth0` of a namespace, ended (by PID)
+/// on drop: what crossed an underlay.
+#[derive(Debug)]
+pub struct Capture {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Capture {
+    /// Starts capturing what matches `filter`; returns once tcpdump listens.
+    pub fn start(ns: &Netns, filter: &str) -> Result<Self> {
+        let mut child = ns
+            .command("tcpdump")
+            .args(["-i", "eth0", "-nn", "-l", "-p", filter])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("tcpdump (apt-get install tcpdump)")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        let err = child.stderr.take().expect("piped");
+        let out = child.stdout.take().expect("piped");
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                if l.contains("listening on") {
+                    let _ = ready_tx.send(());
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if !l.trim().is_empty() {
+                    let _ = tx.send(l);
+                }
+            }
+        });
+        ready
+            .recv_timeout(Duration::from_secs(10))
+            .context("tcpdump did not start listening")?;
+        Ok(Self { child, lines })
+    }
+
+    /// Ends the capture and returns what it printed.
+    pub fn finish(mut self) -> Vec<String> {
+        std::thread::sleep(Duration::from_millis(300));
+        self.stop();
+        let mut out = Vec::new();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(500)) {
+            out.push(l);
+        }
+        out
+    }
+
+    fn stop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
     }
 }

@@ -8,12 +8,13 @@
 //! device, routes and neighbours are the daemons' to make. All traffic
 //! stays inside the test's namespaces. Needs root.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use dphandler_tests::lab::{Probe, WorkloadSpec, connect, echo, probe, serve, workload, yaml_msgs};
+use dphandler_tests::lab::{
+    Capture, Probe, WorkloadSpec, connect, echo, probe, serve, workload, yaml_msgs,
+};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 const PODS: [&str; 2] = ["10.65.1.2", "10.65.2.2"];
@@ -203,71 +204,6 @@ fn rand_suffix() -> u32 {
 
 fn stdout(ns: &Netns, prog: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&ns.run(prog, args)?.stdout).into_owned())
-}
-
-/// A packet capture on a node's `eth0`, ended (by PID) on drop.
-struct Capture {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Capture {
-    fn start(ns: &Netns, filter: &str) -> Result<Self> {
-        let mut child = ns
-            .command("tcpdump")
-            .args(["-i", "eth0", "-nn", "-l", "-p", filter])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("tcpdump (apt-get install tcpdump)")?;
-        let (tx, lines) = std::sync::mpsc::channel();
-        let err = child.stderr.take().expect("piped");
-        let out = child.stdout.take().expect("piped");
-        let (ready_tx, ready) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                if l.contains("listening on") {
-                    let _ = ready_tx.send(());
-                }
-            }
-        });
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if !l.trim().is_empty() {
-                    let _ = tx.send(l);
-                }
-            }
-        });
-        ready
-            .recv_timeout(Duration::from_secs(10))
-            .context("tcpdump did not start listening")?;
-        Ok(Self { child, lines })
-    }
-
-    /// Ends the capture and returns what it printed.
-    fn finish(mut self) -> Vec<String> {
-        std::thread::sleep(Duration::from_millis(300));
-        self.stop();
-        let mut out = Vec::new();
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(500)) {
-            out.push(l);
-        }
-        out
-    }
-
-    fn stop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Capture {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            self.stop();
-        }
-    }
 }
 
 fn all_probes(from: &Netns, to: &str) -> Vec<(Probe, bool)> {

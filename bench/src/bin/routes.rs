@@ -144,6 +144,29 @@ fn host_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(172, 20, (i / 256) as u8, (i % 256) as u8)
 }
 
+/// Removes the VTEP neighbours and FDB entries of the VTEP rows.
+fn clear_vteps(n: usize) -> Result<()> {
+    sh(
+        "ip",
+        &["neigh", "flush", "dev", "vxlan.calico", "nud", "permanent"],
+    )?;
+    for i in 0..n {
+        // Absent entries (the first round) fail: fine.
+        let _ = Command::new("bridge")
+            .args([
+                "fdb",
+                "del",
+                &vtep_mac(i).to_string(),
+                "dev",
+                "vxlan.calico",
+                "self",
+            ])
+            .stderr(Stdio::null())
+            .status();
+    }
+    Ok(())
+}
+
 /// Counts what the backend would write, without a kernel: our own CPU.
 #[derive(Debug, Default)]
 struct Null {
@@ -326,31 +349,11 @@ fn main() -> Result<()> {
         reset_routes()?;
 
         // VTEPs: raw neighbours + FDB, then ours.
-        sh(
-            "ip",
-            &["neigh", "flush", "dev", "vxlan.calico", "nud", "permanent"],
-        )?;
-        sh("bridge", &["fdb", "flush", "dev", "vxlan.calico", "self"])
-            .or_else(|_| Ok::<_, anyhow::Error>(()))?;
+        clear_vteps(args.vteps)?;
         let a = timed_batch("ip", &["-batch", "-"], &neigh_file)?;
         let f = timed_batch("bridge", &["-batch", "-"], &fdb_file)?;
         t.entry("raw_vteps").or_default().push(a + f);
-        sh(
-            "ip",
-            &["neigh", "flush", "dev", "vxlan.calico", "nud", "permanent"],
-        )?;
-        for i in 0..args.vteps {
-            let _ = Command::new("bridge")
-                .args([
-                    "fdb",
-                    "del",
-                    &vtep_mac(i).to_string(),
-                    "dev",
-                    "vxlan.calico",
-                    "self",
-                ])
-                .status();
-        }
+        clear_vteps(args.vteps)?;
         let mut b = Routes::new(ownership(), Box::new(RouteNetlink::open()?));
         b.set(RouteSource::Cluster, BTreeMap::new(), neighbours.clone());
         b.set_fdb(fdb.clone());
@@ -367,22 +370,7 @@ fn main() -> Result<()> {
         if fdb_n != args.vteps {
             bail!("our VTEP load has {fdb_n} FDB entries");
         }
-        sh(
-            "ip",
-            &["neigh", "flush", "dev", "vxlan.calico", "nud", "permanent"],
-        )?;
-        for i in 0..args.vteps {
-            let _ = Command::new("bridge")
-                .args([
-                    "fdb",
-                    "del",
-                    &vtep_mac(i).to_string(),
-                    "dev",
-                    "vxlan.calico",
-                    "self",
-                ])
-                .status();
-        }
+        clear_vteps(args.vteps)?;
     }
     let m = |k: &str| median(t[k].clone());
     println!(

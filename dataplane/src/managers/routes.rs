@@ -192,6 +192,34 @@ fn check_mac(mac: &MacAddr, field: &str) -> Result<(), ValidationError> {
     Ok(())
 }
 
+/// A VTEP's address of one family needs its MAC (unicast) and its parent
+/// device's address; `fields` names them in the message.
+fn check_vtep_family(
+    addr: Option<IpAddr>,
+    mac: Option<MacAddr>,
+    parent: Option<IpAddr>,
+    (mac_field, parent_field): (&str, &str),
+    family: &str,
+) -> Result<(), ValidationError> {
+    if addr.is_none() {
+        return Ok(());
+    }
+    let mac = mac.ok_or_else(|| {
+        ValidationError::new(
+            mac_field,
+            format!("a VTEP with an {family} address needs a MAC"),
+        )
+    })?;
+    check_mac(&mac, mac_field)?;
+    if parent.is_none() {
+        return Err(ValidationError::new(
+            parent_field,
+            format!("a VTEP with an {family} address needs its parent device's address"),
+        ));
+    }
+    Ok(())
+}
+
 impl RoutesManager {
     pub fn new(cfg: RoutesConfig) -> Self {
         Self {
@@ -659,36 +687,20 @@ impl Manager for RoutesManager {
                 Ok(())
             }
             Update::Vtep(v) => {
-                if v.ipv4_addr.is_some() {
-                    let mac = v.mac.ok_or_else(|| {
-                        ValidationError::new(
-                            "vtep_update.mac",
-                            "a VTEP with an IPv4 address needs a MAC",
-                        )
-                    })?;
-                    check_mac(&mac, "vtep_update.mac")?;
-                    if v.parent_device_ip.is_none() {
-                        return Err(ValidationError::new(
-                            "vtep_update.parent_device_ip",
-                            "a VTEP with an IPv4 address needs its parent device's IP",
-                        ));
-                    }
-                }
-                if v.ipv6_addr.is_some() {
-                    let mac = v.mac_v6.ok_or_else(|| {
-                        ValidationError::new(
-                            "vtep_update.mac_v6",
-                            "a VTEP with an IPv6 address needs a MAC",
-                        )
-                    })?;
-                    check_mac(&mac, "vtep_update.mac_v6")?;
-                    if v.parent_device_ipv6.is_none() {
-                        return Err(ValidationError::new(
-                            "vtep_update.parent_device_ipv6",
-                            "a VTEP with an IPv6 address needs its parent device's IPv6",
-                        ));
-                    }
-                }
+                check_vtep_family(
+                    v.ipv4_addr,
+                    v.mac,
+                    v.parent_device_ip,
+                    ("vtep_update.mac", "vtep_update.parent_device_ip"),
+                    "IPv4",
+                )?;
+                check_vtep_family(
+                    v.ipv6_addr,
+                    v.mac_v6,
+                    v.parent_device_ipv6,
+                    ("vtep_update.mac_v6", "vtep_update.parent_device_ipv6"),
+                    "IPv6",
+                )?;
                 if v.ipv4_addr.is_none() && v.ipv6_addr.is_none() {
                     return Err(ValidationError::new(
                         "vtep_update",

@@ -161,6 +161,11 @@ fn kroute(dst: &str, oif: Option<u32>, protocol: u8, kind: u8) -> KernelRoute {
     }
 }
 
+/// The write that puts `t` at `dst`.
+fn replace(dst: &str, t: &RouteTarget, oif: Option<u32>) -> RouteOp {
+    RouteOp::ReplaceRoute(kernel_route(key(dst), t, oif))
+}
+
 fn mac(s: &str) -> MacAddr {
     MacAddr::parse(s).unwrap()
 }
@@ -216,7 +221,7 @@ fn reads_only_ours_and_writes_only_differences() {
                 addr: "10.65.0.2".parse().unwrap(),
                 mac: mac("02:00:00:00:00:01"),
             },
-            RouteOp::ReplaceRoute(kernel_route(key("10.65.1.0/26"), &blackhole(), None)),
+            replace("10.65.1.0/26", &blackhole(), None),
             RouteOp::ReplaceRoute(v6),
             RouteOp::DeleteRoute(key("10.65.5.0/26")),
             RouteOp::DeleteRoute(key("10.65.9.0/26")),
@@ -279,11 +284,7 @@ fn lowest_class_wins_a_key() {
     r.apply(Phase::RoutesAndRules).unwrap();
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.65.0.2/32"),
-            &dev_route("cali1"),
-            Some(3)
-        ))]
+        vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(3))]
     );
 }
 
@@ -406,11 +407,7 @@ fn a_route_to_a_missing_device_waits_for_it() {
     r.apply(Phase::RoutesAndRules).unwrap();
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.65.0.3/32"),
-            &dev_route("cali2"),
-            Some(5)
-        ))]
+        vec![replace("10.65.0.3/32", &dev_route("cali2"), Some(5))]
     );
     assert!(r.summary().missing_devices.is_empty());
 }
@@ -477,11 +474,7 @@ fn a_removed_link_takes_its_routes_and_they_come_back_with_it() {
     r.apply(Phase::RoutesAndRules).unwrap();
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.65.0.2/32"),
-            &dev_route("cali1"),
-            Some(9)
-        ))]
+        vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(9))]
     );
 }
 
@@ -509,11 +502,7 @@ fn a_failed_write_is_retried_after_a_fresh_read() {
     assert_eq!(k.0.lock().unwrap().dumps, dumps + 1, "read again");
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.65.0.2/32"),
-            &dev_route("cali1"),
-            Some(3)
-        ))]
+        vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(3))]
     );
 }
 
@@ -539,11 +528,7 @@ fn a_change_looks_only_at_the_keys_it_touches() {
     r.apply(Phase::RoutesAndRules).unwrap();
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.200.0.0/26"),
-            &blackhole(),
-            None
-        ))]
+        vec![replace("10.200.0.0/26", &blackhole(), None)]
     );
     r.update(RouteSource::Cluster, key("10.200.0.0/26"), None);
     r.update(
@@ -564,11 +549,7 @@ fn a_change_looks_only_at_the_keys_it_touches() {
     r.apply(Phase::RoutesAndRules).unwrap();
     assert_eq!(
         k.take_writes(),
-        vec![RouteOp::ReplaceRoute(kernel_route(
-            key("10.100.5.0/26"),
-            &blackhole(),
-            None
-        ))]
+        vec![replace("10.100.5.0/26", &blackhole(), None)]
     );
 }
 
