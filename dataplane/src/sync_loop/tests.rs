@@ -401,6 +401,43 @@ async fn delta_for_unknown_set_is_rejected_and_rest_applies() {
     );
 }
 
+#[tokio::test]
+async fn refused_last_messages_are_reported_as_dealt_with() {
+    // After the snapshot, a delta that is refused: the stream's programmed
+    // sequence still reaches it (nothing to apply), so a feeder waiting for
+    // everything it sent to be dealt with is not left hanging.
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    let applies = h.status.borrow().applies;
+    let refused = Update::IpSetDeltaUpdate(IpSetDelta {
+        id: Id::new("nope").unwrap(),
+        added: vec![Member::parse_any("10.0.0.1").unwrap()],
+        removed: vec![],
+    });
+    send(&h, 1, 3, refused).await;
+    tokio::time::timeout(Duration::from_secs(5), h.programmed.wait_for(|p| *p == 3))
+        .await
+        .expect("programmed reaches the refused message")
+        .unwrap();
+    assert_eq!(h.rejections.recv().await.unwrap().sequence_number, 3);
+    let st = wait_for(&mut h, |s| s.applies > applies).await;
+    assert_eq!(st.last_programmed, 3);
+    assert_eq!(
+        h.seen
+            .lock()
+            .unwrap()
+            .updates
+            .iter()
+            .filter(|u| matches!(u, Update::IpSetDeltaUpdate(_)))
+            .count(),
+        0,
+        "nothing of it reached the managers"
+    );
+}
+
 #[test]
 fn iso_timestamps_look_right() {
     let s = iso_now();
