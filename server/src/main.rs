@@ -390,6 +390,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 workload_prefix: args.workload_iface_prefix.clone(),
                 remove_external_routes: args.remove_external_routes,
                 tunnel_devices: vec![VXLAN_V4.into(), VXLAN_V6.into()],
+                tables: Vec::new(),
             },
             Box::new(RouteNetlink::open().context("opening the routes' netlink socket")?),
         ));

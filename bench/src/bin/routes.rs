@@ -129,6 +129,7 @@ fn ownership() -> RouteOwnership {
         workload_prefix: "cali".into(),
         remove_external_routes: true,
         tunnel_devices: vec!["vxlan.calico".into()],
+        tables: vec![],
     }
 }
 

@@ -505,12 +505,28 @@ impl RoutesManager {
         if is_host_prefix(&r.dst) {
             return None;
         }
-        self.routes.values().find(|o| {
-            o.dst != r.dst
-                && !is_host_prefix(&o.dst)
-                && (o.dst.contains(&r.dst) || r.dst.contains(&o.dst))
-                && o.dst_node_name != r.dst_node_name
-        })
+        let another_nodes = |o: &&Route| {
+            o.dst != r.dst && !is_host_prefix(&o.dst) && o.dst_node_name != r.dst_node_name
+        };
+        // Blocks that contain it: one candidate per shorter prefix.
+        for len in 0..r.dst.prefix_len() {
+            let sup = IpNet::new(r.dst.addr(), len)
+                .expect("shorter than a valid prefix")
+                .trunc();
+            if let Some(o) = self.routes.get(&sup).filter(another_nodes) {
+                return Some(o);
+            }
+        }
+        // Blocks inside it: their addresses lie within it (nets order by
+        // address, then prefix length).
+        let (lo, hi) = (r.dst.network(), r.dst.broadcast());
+        let from = IpNet::new(lo, 0).expect("prefix 0 is valid");
+        let to = IpNet::new(hi, r.dst.max_prefix_len()).expect("the full prefix is valid");
+        self.routes
+            .range(from..=to)
+            .map(|(_, o)| o)
+            .filter(another_nodes)
+            .find(|o| r.dst.contains(&o.dst))
     }
 }
 

@@ -123,6 +123,9 @@ pub struct RouteOwnership {
     /// Our tunnel devices: every route and permanent neighbour on them is
     /// ours.
     pub tunnel_devices: Vec<String>,
+    /// Routing tables besides main that are ours, every route in them
+    /// (WireGuard's, next).
+    pub tables: Vec<u32>,
 }
 
 impl RouteOwnership {
@@ -138,7 +141,7 @@ impl RouteOwnership {
     /// its device, if it has one we know.
     pub fn owns_route(&self, r: &KernelRoute, dev: Option<&str>) -> bool {
         if r.key.table != MAIN_TABLE {
-            return false;
+            return self.tables.contains(&r.key.table);
         }
         if r.protocol == self.exclusive_protocol {
             return true;

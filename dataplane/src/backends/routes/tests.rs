@@ -112,6 +112,7 @@ fn own() -> RouteOwnership {
         workload_prefix: "cali".into(),
         remove_external_routes: true,
         tunnel_devices: vec!["vxlan.calico".into()],
+        tables: vec![],
     }
 }
 
@@ -249,6 +250,22 @@ fn reads_only_ours_and_writes_only_differences() {
             ("kernel.fdb".to_string(), "0".to_string()),
         ]
     );
+}
+
+#[test]
+fn every_route_of_a_table_we_own_is_ours() {
+    let k = Fake::default();
+    let mut theirs = kroute("10.70.0.0/24", None, 4, RTN_BLACKHOLE);
+    theirs.key.table = 100;
+    let mut ours = theirs.clone();
+    ours.key.table = 1;
+    k.add_route(theirs.clone());
+    k.add_route(ours.clone());
+    let mut o = own();
+    o.tables = vec![1];
+    let mut r = Routes::new(o, Box::new(k.clone()));
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(k.take_writes(), vec![RouteOp::DeleteRoute(ours.key)]);
 }
 
 #[test]

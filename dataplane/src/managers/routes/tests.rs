@@ -50,6 +50,7 @@ fn kernel() -> DesiredKernel {
                 workload_prefix: "cali".into(),
                 remove_external_routes: true,
                 tunnel_devices: vec![VXLAN_V4.into(), VXLAN_V6.into()],
+                tables: vec![],
             },
             Box::new(NoKernel),
         )),
@@ -495,6 +496,25 @@ fn bad_input_is_refused_with_a_reason() {
             .contains("overlaps block 10.65.2.0/26 of node \"node2\""),
         "{e}"
     );
+    // A smaller block inside another node's block, too.
+    let inside = Update::Route(route(
+        REMOTE_WORKLOAD,
+        POOL_VXLAN,
+        "10.65.2.16/28",
+        "node3",
+        "172.31.77.3",
+    ));
+    let e = m.check(&inside).unwrap_err();
+    assert!(e.reason.contains("overlaps block 10.65.2.0/26"), "{e}");
+    // A neighbouring block of another node is fine.
+    m.check(&Update::Route(route(
+        REMOTE_WORKLOAD,
+        POOL_VXLAN,
+        "10.65.2.64/26",
+        "node3",
+        "172.31.77.3",
+    )))
+    .unwrap();
     // The same block again (an update) and a borrowed /32 inside a block
     // are fine.
     m.check(&Update::Route(route(
@@ -504,6 +524,17 @@ fn bad_input_is_refused_with_a_reason() {
         "node2",
         "172.31.77.2",
     )))
+    .unwrap();
+    m.check(&Update::Route(Route {
+        borrowed: true,
+        ..route(
+            REMOTE_TUNNEL,
+            POOL_VXLAN,
+            "10.65.2.7/32",
+            "node3",
+            "172.31.77.3",
+        )
+    }))
     .unwrap();
     for (mac, why) in [
         ([0xff; 6], "not a unicast MAC"),
