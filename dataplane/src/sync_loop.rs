@@ -619,7 +619,10 @@ impl SyncLoop {
                 error.get_or_insert(e.to_string());
             }
         }
-        let (kernel, result) = if kernel.is_empty() {
+        let managers_done = started.elapsed();
+        // Nothing for the kernel (a message that changed nothing, a
+        // refused one): no hop to a blocking thread.
+        let (kernel, result) = if kernel.is_empty() || !kernel.any_dirty() {
             (kernel, Ok(Default::default()))
         } else {
             tokio::task::spawn_blocking(move || {
@@ -643,6 +646,7 @@ impl SyncLoop {
                 error.get_or_insert(msg);
             }
         }
+        let kernel_done = started.elapsed();
         let still_dirty = kernel.any_dirty();
         let details: BTreeMap<String, String> = self
             .managers
@@ -652,6 +656,12 @@ impl SyncLoop {
             .collect();
         self.status.details = details;
         self.kernel = Some(kernel);
+        debug!(
+            managers_ms = managers_done.as_secs_f64() * 1e3,
+            kernel_ms = (kernel_done - managers_done).as_secs_f64() * 1e3,
+            status_ms = (started.elapsed() - kernel_done).as_secs_f64() * 1e3,
+            "apply"
+        );
         if let Some(e) = error {
             let wait = self
                 .cfg

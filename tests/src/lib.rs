@@ -356,3 +356,79 @@ pub fn usage(pid: u32) -> Result<(u64, f64)> {
     // USER_HZ is 100 on every Linux architecture we run on.
     Ok((hwm, ticks as f64 / 100.0))
 }
+
+/// One long-lived ToDataplane stream, as a calc graph keeps open: messages
+/// numbered in order, and each `Programmed` reply waited for (benchmarks
+/// time changes with it).
+#[derive(Debug)]
+pub struct Feed {
+    tx: tokio::sync::mpsc::UnboundedSender<felix::ToDataplane>,
+    replies: tonic::Streaming<dphandler_proto::v1::ToDataplaneReply>,
+    seq: u64,
+    /// The highest sequence number reported programmed so far.
+    pub programmed: u64,
+}
+
+impl Feed {
+    /// Opens the stream.
+    pub async fn open(client: &mut DataplaneClient<Channel>) -> Result<Self> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let replies = client
+            .to_dataplane(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Self {
+            tx,
+            replies,
+            seq: 0,
+            programmed: 0,
+        })
+    }
+
+    /// Sends one message; returns its sequence number.
+    pub fn send(&mut self, p: Payload) -> Result<u64> {
+        self.seq += 1;
+        self.tx
+            .send(felix::ToDataplane {
+                sequence_number: self.seq,
+                payload: Some(p),
+            })
+            .map_err(|_| anyhow::anyhow!("the stream is closed"))?;
+        Ok(self.seq)
+    }
+
+    /// The next Programmed reply (sequence number, when it arrived); a
+    /// rejection is an error.
+    pub async fn next_programmed(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<(u64, std::time::Instant)> {
+        use dphandler_proto::v1::to_dataplane_reply::Kind;
+        loop {
+            let r = tokio::time::timeout(timeout, self.replies.message())
+                .await
+                .context("waiting for the server")??
+                .context("the reply stream ended")?;
+            match r.kind {
+                Some(Kind::Programmed(p)) => {
+                    self.programmed = p.sequence_number;
+                    return Ok((p.sequence_number, std::time::Instant::now()));
+                }
+                Some(Kind::Rejected(r)) => {
+                    bail!("rejected: {} {}: {}", r.sequence_number, r.field, r.reason)
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Waits until `seq` is programmed; returns when that was seen.
+    pub async fn until(&mut self, seq: u64, timeout: Duration) -> Result<std::time::Instant> {
+        loop {
+            let (s, at) = self.next_programmed(timeout).await?;
+            if s >= seq {
+                return Ok(at);
+            }
+        }
+    }
+}

@@ -30,12 +30,10 @@ use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
-use dphandler_proto::v1::to_dataplane_reply::Kind;
-use dphandler_tests::{Daemon, Netns, usage};
-use futures::channel::mpsc;
+use dphandler_tests::{Daemon, Feed, Netns, usage};
 
 #[derive(Parser, Debug)]
 #[command(about = "Policy enforcement at scale vs the raw tools, same run")]
@@ -205,55 +203,6 @@ fn cold_start(a: &Args) -> Vec<Payload> {
     out
 }
 
-/// One feeder stream: messages go in with increasing sequence numbers;
-/// `programmed` waits for the reply covering a sequence number.
-struct Feed {
-    tx: mpsc::UnboundedSender<felix::ToDataplane>,
-    replies: tonic::Streaming<dphandler_proto::v1::ToDataplaneReply>,
-    seq: u64,
-    programmed: u64,
-}
-
-impl Feed {
-    fn send(&mut self, p: Payload) -> Result<u64> {
-        self.seq += 1;
-        self.tx.unbounded_send(felix::ToDataplane {
-            sequence_number: self.seq,
-            payload: Some(p),
-        })?;
-        Ok(self.seq)
-    }
-
-    /// The next Programmed reply (sequence number, when it arrived).
-    async fn next_programmed(&mut self, timeout: Duration) -> Result<(u64, Instant)> {
-        loop {
-            let r = tokio::time::timeout(timeout, self.replies.message())
-                .await
-                .context("waiting for the server")??
-                .context("the reply stream ended")?;
-            match r.kind {
-                Some(Kind::Programmed(p)) => {
-                    self.programmed = p.sequence_number;
-                    return Ok((p.sequence_number, Instant::now()));
-                }
-                Some(Kind::Rejected(r)) => {
-                    bail!("rejected: {} {}: {}", r.sequence_number, r.field, r.reason)
-                }
-                _ => {}
-            }
-        }
-    }
-
-    async fn until(&mut self, seq: u64, timeout: Duration) -> Result<Instant> {
-        loop {
-            let (s, at) = self.next_programmed(timeout).await?;
-            if s >= seq {
-                return Ok(at);
-            }
-        }
-    }
-}
-
 /// Runs `program args` in `ns` with `input` on stdin; the wall time.
 fn timed(ns: &Netns, program: &str, args: &[&str], input: &[u8]) -> Result<Duration> {
     let mut file = tempfile::tempfile()?;
@@ -306,14 +255,7 @@ async fn main() -> Result<()> {
         &["--log", &a.server_log, "--ipv6", "false"],
     )?;
     let mut client = daemon.connect().await?;
-    let (tx, rx) = mpsc::unbounded();
-    let replies = client.to_dataplane(rx).await?.into_inner();
-    let mut feed = Feed {
-        tx,
-        replies,
-        seq: 0,
-        programmed: 0,
-    };
+    let mut feed = Feed::open(&mut client).await?;
 
     // 1. Cold start.
     let msgs = cold_start(&a);
