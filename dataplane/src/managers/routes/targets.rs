@@ -1,0 +1,172 @@
+//! What a `RouteUpdate` becomes: which pools' routes are ours to program,
+//! and the route for one update (VXLAN tunnel, same-subnet, no-encap, IPIP,
+//! blackhole), or why there is none yet.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use super::*;
+
+impl RoutesManager {
+    pub(super) fn vxlan_on(&self, v: IpVersion) -> bool {
+        match self.cfg.vxlan {
+            VxlanMode::Enabled => v == IpVersion::V4 || self.cfg.ipv6,
+            VxlanMode::Disabled => false,
+            VxlanMode::Auto => match v {
+                IpVersion::V4 => self.encap.vxlan_enabled,
+                IpVersion::V6 => self.cfg.ipv6 && self.encap.vxlan_enabled_v6,
+            },
+        }
+    }
+
+    /// Whether routes of this pool type are ours to program.
+    pub(super) fn pool_on(&self, pool: i32, v: IpVersion) -> bool {
+        match pool {
+            POOL_VXLAN => self.vxlan_on(v),
+            POOL_NO_ENCAP => self.encap.no_encap_enabled,
+            POOL_IPIP => self.encap.ipip_enabled && v == IpVersion::V4,
+            _ => false,
+        }
+    }
+
+    pub(super) fn target(
+        &self,
+        class: RouteClass,
+        dev: &str,
+        gateway: Option<IpAddr>,
+        protocol: u8,
+        mtu: Option<u32>,
+    ) -> RouteTarget {
+        RouteTarget {
+            class,
+            kind: RouteKind::Unicast,
+            dev: Some(dev.into()),
+            gateway,
+            onlink: gateway.is_some(),
+            protocol,
+            mtu,
+        }
+    }
+
+    /// The route for one RouteUpdate, or why there is none.
+    pub(super) fn route_for(
+        &self,
+        r: &Route,
+        devices: &BTreeMap<IpVersion, VxlanDevice>,
+    ) -> Result<Option<RouteTarget>, String> {
+        let ver = version_of(&r.dst);
+        if !self.pool_on(r.ip_pool_type, ver) {
+            return Ok(None);
+        }
+        let rp = self.cfg.route_protocol;
+        if is_type(r, LOCAL_WORKLOAD) {
+            if r.local_workload || is_host_prefix(&r.dst) {
+                return Ok(None); // a workload's own route: endpoints manager
+            }
+            return Ok(Some(RouteTarget {
+                class: RouteClass::Blackhole,
+                kind: RouteKind::Blackhole,
+                dev: None,
+                gateway: None,
+                onlink: false,
+                protocol: rp,
+                mtu: None,
+            }));
+        }
+        let remote_tunnel =
+            is_type(r, REMOTE_TUNNEL) && (is_type(r, REMOTE_WORKLOAD) || r.borrowed);
+        if !is_type(r, REMOTE_WORKLOAD) && !remote_tunnel {
+            return Ok(None);
+        }
+        let parent = self.parent(ver);
+        match r.ip_pool_type {
+            POOL_VXLAN => {
+                if r.same_subnet
+                    && let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent)
+                {
+                    return Ok(Some(self.target(
+                        RouteClass::VxlanSameSubnet,
+                        &p.name,
+                        Some(gw),
+                        rp,
+                        None,
+                    )));
+                }
+                let Some(dev) = devices.get(&ver) else {
+                    return Err(format!("{}: no VXLAN device yet", r.dst));
+                };
+                let dp = self.cfg.device_protocol;
+                if remote_tunnel {
+                    return Ok(Some(self.target(
+                        RouteClass::VxlanTunnel,
+                        &dev.name,
+                        None,
+                        dp,
+                        Some(dev.mtu),
+                    )));
+                }
+                let node = r.dst_node_name.as_ref().map(Id::as_str).unwrap_or("");
+                let vtep = self
+                    .vteps
+                    .iter()
+                    .find(|(n, _)| n.as_str() == node)
+                    .and_then(|(_, v)| Self::vtep_addrs(v, ver));
+                let Some((gw, _, _)) = vtep else {
+                    return Err(format!("{}: waiting for the VTEP of node {node:?}", r.dst));
+                };
+                Ok(Some(self.target(
+                    RouteClass::VxlanTunnel,
+                    &dev.name,
+                    Some(gw),
+                    dp,
+                    Some(dev.mtu),
+                )))
+            }
+            POOL_NO_ENCAP => {
+                let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent) else {
+                    return Err(format!(
+                        "{}: no-encap route needs dst_node_ip and this node's interface",
+                        r.dst
+                    ));
+                };
+                Ok(Some(self.target(
+                    RouteClass::NoEncap,
+                    &p.name,
+                    Some(gw),
+                    rp,
+                    None,
+                )))
+            }
+            POOL_IPIP => {
+                let Some(gw) = r.dst_node_ip else {
+                    return Err(format!("{}: IPIP route without dst_node_ip", r.dst));
+                };
+                if r.same_subnet
+                    && let Some((p, _)) = parent
+                {
+                    return Ok(Some(self.target(
+                        RouteClass::IpipSameSubnet,
+                        &p.name,
+                        Some(gw),
+                        rp,
+                        None,
+                    )));
+                }
+                if self.link_named(IPIP_DEVICE).is_none() {
+                    return Err(format!(
+                        "{}: IPIP needs {IPIP_DEVICE}, which this kernel does not have (no ipip module)",
+                        r.dst
+                    ));
+                }
+                Ok(Some(self.target(
+                    RouteClass::IpipTunnel,
+                    IPIP_DEVICE,
+                    Some(gw),
+                    rp,
+                    None,
+                )))
+            }
+            _ => Ok(None),
+        }
+    }
+}
