@@ -222,10 +222,20 @@ impl Routes {
         let Some(links) = &mut self.links else {
             return;
         };
-        if links.get(name) != Some(&index) {
-            links.insert(name.to_string(), index);
+        let old = links.insert(name.to_string(), index);
+        if old != Some(index) {
             if name.starts_with(&self.own.workload_prefix) {
                 self.new_links.insert(index, Instant::now());
+            }
+            // A new index for an old name whose removal we did not hear
+            // of: what we wrote through the old index is gone.
+            if let (Some(old), Some(o)) = (old, &self.observed) {
+                self.pending.extend(
+                    o.routes
+                        .iter()
+                        .filter(|(_, r)| r.oif == Some(old))
+                        .map(|(k, _)| *k),
+                );
             }
             self.retry_unresolved();
         }
@@ -457,7 +467,11 @@ impl Backend for Routes {
             missing_devices: missing,
         };
         self.graced.extend(plan.graced);
-        self.grace_until = plan.grace_left.map(|d| Instant::now() + d);
+        if let Some(d) = plan.grace_left {
+            // The earliest end of a grace period still running.
+            let t = Instant::now() + d;
+            self.grace_until = Some(self.grace_until.map_or(t, |g| g.min(t)));
+        }
         self.neighbours_changed = false;
         if let Some((i, first)) = failures.into_iter().next() {
             warn!(op = ?ops[i], error = %first, failed = failed.len(), "route writes failed; re-reading before the retry");
@@ -469,7 +483,9 @@ impl Backend for Routes {
         }
         self.observed = Some(observed);
         Ok(ApplyOutcome {
-            reschedule_after: plan.grace_left,
+            reschedule_after: self
+                .grace_until
+                .map(|t| t.saturating_duration_since(Instant::now())),
         })
     }
 

@@ -449,6 +449,12 @@ fn a_new_workload_interface_keeps_unexpected_routes_for_the_grace_period() {
         .expect("comes back when the grace ends");
     assert!(again <= Duration::from_millis(300));
     assert!(!r.is_dirty(Phase::RoutesAndRules));
+    // Something else changes meanwhile: the grace period still ends when
+    // it was going to.
+    r.update(RouteSource::Cluster, key("10.65.9.0/26"), Some(blackhole()));
+    let out = r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(k.take_writes().len(), 1);
+    assert!(out.reschedule_after.is_some_and(|d| d <= again));
     std::thread::sleep(again);
     assert!(r.is_dirty(Phase::RoutesAndRules));
     r.apply(Phase::RoutesAndRules).unwrap();
@@ -492,6 +498,32 @@ fn a_removed_link_takes_its_routes_and_they_come_back_with_it() {
     assert_eq!(
         k.take_writes(),
         vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(9))]
+    );
+}
+
+#[test]
+fn a_new_index_for_a_name_rewrites_its_routes_even_unannounced() {
+    // The removal event was missed (a monitor reconnect): the new index
+    // alone tells us that what went through the old one is gone.
+    let k = Fake::with_links(&[(3, "cali1")]);
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    r.set(
+        RouteSource::Workloads,
+        [(key("10.65.0.2/32"), dev_route("cali1"))].into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    k.take_writes();
+    k.0.lock().unwrap().links = vec![Link {
+        index: 11,
+        name: "cali1".into(),
+    }];
+    r.link_added(11, "cali1");
+    assert!(r.is_dirty(Phase::RoutesAndRules));
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(11))]
     );
 }
 

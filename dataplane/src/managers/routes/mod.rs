@@ -304,6 +304,12 @@ impl RoutesManager {
                     }
                 }
                 Err(why) => {
+                    // The device is left as it is (an underlay address
+                    // that flaps must not take 100,000 routes with it):
+                    // routes keep going through it.
+                    if let Some(d) = self.devices.get(&ver) {
+                        devices.insert(ver, d.clone());
+                    }
                     self.vxlan_state.insert(name, why.clone());
                     self.waiting_devices.insert(name, format!("{name}: {why}"));
                 }

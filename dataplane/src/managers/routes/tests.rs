@@ -610,4 +610,23 @@ fn a_route_update_is_worked_out_alone_and_workload_links_change_nothing() {
         mtu: 9000,
     });
     assert!(m.all_dirty);
+    m.complete_deferred_work(&mut k).unwrap();
+    // The parent's address goes for a moment: the device and the routes
+    // through it stay as they are; what waits is reported.
+    m.on_interface(&InterfaceEvent::AddrRemoved {
+        index: 2,
+        addr: "172.31.77.1/24".parse().unwrap(),
+    });
+    assert!(m.all_dirty);
+    m.complete_deferred_work(&mut k).unwrap();
+    assert_eq!(routes(&k).len(), 5, "{:?}", routes(&k));
+    assert_eq!(
+        k.vxlan.as_ref().unwrap().desired(VXLAN_V4).unwrap().mtu,
+        8950
+    );
+    let status: BTreeMap<_, _> = m.status().into_iter().collect();
+    assert!(
+        status["vxlan.vxlan.calico"].contains("172.31.77.1"),
+        "{status:?}"
+    );
 }
