@@ -185,6 +185,22 @@ async fn main() -> Result<()> {
         let at = feed.until(seq, Duration::from_secs(60)).await?;
         del.push((at - t).as_secs_f64() * 1e3);
     }
+    // A VTEP update (a node's MAC changes): everything is worked out again.
+    let mut vtep = Vec::new();
+    for c in 0..a.changes.min(5) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let n = 1 + c;
+        let t = Instant::now();
+        let seq = feed.send(Payload::VtepUpdate(felix::VxlanTunnelEndpointUpdate {
+            node: format!("node-{n}"),
+            mac: format!("66:6b:00:00:{:02x}:{:02x}", n / 256, n % 256),
+            ipv4_addr: vtep_ip(n).to_string(),
+            parent_device_ip: node_ip(n).to_string(),
+            ..Default::default()
+        }))?;
+        let at = feed.until(seq, Duration::from_secs(60)).await?;
+        vtep.push((at - t).as_secs_f64() * 1e3);
+    }
     let st = client
         .get_status(dphandler_proto::v1::GetStatusRequest {})
         .await?
@@ -285,6 +301,11 @@ async fn main() -> Result<()> {
     println!(
         "| a `RouteUpdate` the node already has (the API path alone) | — | {:.2} ms | — | — |",
         median(same)
+    );
+    println!(
+        "| one `VXLANTunnelEndpointUpdate` (a node's MAC) at {} | — | {:.1} ms | — | — |",
+        a.blocks,
+        median(vtep)
     );
     println!(
         "server: peak RSS {:.0} MiB; apply p50 {:.2} ms, p99 {:.2} ms over its last {} applies",

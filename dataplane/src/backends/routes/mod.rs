@@ -183,11 +183,16 @@ impl Routes {
             }
             *old = routes;
         }
+        self.set_neighbours(source, neighbours);
+        self.retry_unresolved();
+    }
+
+    /// One source's whole share of neighbours.
+    pub fn set_neighbours(&mut self, source: RouteSource, neighbours: BTreeSet<Neighbour>) {
         if self.neighbours.get(&source) != Some(&neighbours) {
             self.neighbours.insert(source, neighbours);
             self.neighbours_changed = true;
         }
-        self.retry_unresolved();
     }
 
     /// One route of one source: `None` removes it.

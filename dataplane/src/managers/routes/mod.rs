@@ -131,6 +131,11 @@ pub struct RoutesManager {
     all_dirty: bool,
     /// Only these RouteUpdate destinations changed.
     dirty_dsts: BTreeSet<IpNet>,
+    /// Another node's VTEP changed: its neighbour and FDB entry, and the
+    /// routes to that node (in `dirty_dsts`).
+    vteps_dirty: bool,
+    /// The destinations routed to each node, for a VTEP change.
+    by_node: BTreeMap<Id, BTreeSet<IpNet>>,
     /// What the interfaces mean to us (parents, tunl0): a link or address
     /// event that leaves it as it is needs no full pass.
     underlay: Underlay,
@@ -194,6 +199,8 @@ impl RoutesManager {
             link_events: Vec::new(),
             all_dirty: true,
             dirty_dsts: BTreeSet::new(),
+            vteps_dirty: false,
+            by_node: BTreeMap::new(),
             underlay: (None, None, false),
             devices: BTreeMap::new(),
             classes: BTreeMap::new(),
@@ -316,7 +323,75 @@ impl RoutesManager {
             }
         }
         self.devices = devices;
-        // VTEP neighbours and FDB entries.
+        let (neighbours, fdb) = self.vtep_entries();
+        // Routes.
+        self.classes.clear();
+        self.counts.clear();
+        self.waiting_routes.clear();
+        let dsts: Vec<IpNet> = self.routes.keys().copied().collect();
+        let mut routes = BTreeMap::new();
+        for dst in dsts {
+            if let Some(t) = self.target_for(dst) {
+                routes.insert(RouteKey::main(dst), t);
+            }
+        }
+        self.counts.insert("vteps", neighbours.len());
+        self.vteps_dirty = false;
+        debug!(
+            routes = routes.len(),
+            neighbours = neighbours.len(),
+            "cluster routes"
+        );
+        if let Some(k) = &mut kernel.routes {
+            k.set(RouteSource::Cluster, routes, neighbours);
+            k.set_fdb(fdb);
+        }
+        if !self.waiting_devices.is_empty() || !self.waiting_routes.is_empty() {
+            info!(
+                devices = ?self.waiting_devices.values().collect::<Vec<_>>(),
+                routes = self.waiting_routes.len(),
+                "routes and devices that cannot be programmed yet"
+            );
+        }
+    }
+}
+
+impl RoutesManager {
+    /// Keeps `by_node` current as a route is replaced or removed.
+    fn index_by_node(&mut self, old: Option<&Route>, new: Option<&Route>) {
+        if let Some(o) = old
+            && let Some(n) = &o.dst_node_name
+            && let Some(set) = self.by_node.get_mut(n)
+        {
+            set.remove(&o.dst);
+            if set.is_empty() {
+                self.by_node.remove(n);
+            }
+        }
+        if let Some(r) = new
+            && let Some(n) = &r.dst_node_name
+        {
+            self.by_node.entry(n.clone()).or_default().insert(r.dst);
+        }
+    }
+
+    /// Whether `node`'s VTEP is another node's; if so, what depends on it
+    /// is marked (its neighbour and FDB entry, the routes to it) instead
+    /// of everything.
+    fn vtep_is_remote(&mut self, node: &Id) -> bool {
+        if node.as_str() == self.hostname() {
+            return false;
+        }
+        self.vteps_dirty = true;
+        if let Some(dsts) = self.by_node.get(node) {
+            self.dirty_dsts.extend(dsts.iter().copied());
+        }
+        true
+    }
+
+    /// The neighbour and FDB entry of every other node's VTEP on our
+    /// devices.
+    fn vtep_entries(&self) -> (BTreeSet<Neighbour>, BTreeSet<FdbEntry>) {
         let (mut neighbours, mut fdb) = (BTreeSet::new(), BTreeSet::new());
         for (node, v) in &self.vteps {
             if node.as_str() == self.hostname() {
@@ -337,34 +412,7 @@ impl RoutesManager {
                 }
             }
         }
-        // Routes.
-        self.classes.clear();
-        self.counts.clear();
-        self.waiting_routes.clear();
-        let dsts: Vec<IpNet> = self.routes.keys().copied().collect();
-        let mut routes = BTreeMap::new();
-        for dst in dsts {
-            if let Some(t) = self.target_for(dst) {
-                routes.insert(RouteKey::main(dst), t);
-            }
-        }
-        self.counts.insert("vteps", neighbours.len());
-        debug!(
-            routes = routes.len(),
-            neighbours = neighbours.len(),
-            "cluster routes"
-        );
-        if let Some(k) = &mut kernel.routes {
-            k.set(RouteSource::Cluster, routes, neighbours);
-            k.set_fdb(fdb);
-        }
-        if !self.waiting_devices.is_empty() || !self.waiting_routes.is_empty() {
-            info!(
-                devices = ?self.waiting_devices.values().collect::<Vec<_>>(),
-                routes = self.waiting_routes.len(),
-                "routes and devices that cannot be programmed yet"
-            );
-        }
+        (neighbours, fdb)
     }
 }
 
@@ -380,17 +428,28 @@ impl Manager for RoutesManager {
     fn on_update(&mut self, update: &Update) {
         match update {
             Update::Route(r) => {
-                self.routes.insert(r.dst, r.clone());
+                let old = self.routes.insert(r.dst, r.clone());
+                self.index_by_node(old.as_ref(), Some(r));
                 self.dirty_dsts.insert(r.dst);
                 return;
             }
             Update::Remove(Key::Route(dst)) => {
-                self.routes.remove(dst);
+                let old = self.routes.remove(dst);
+                self.index_by_node(old.as_ref(), None);
                 self.dirty_dsts.insert(*dst);
                 return;
             }
             Update::Vtep(v) => {
                 self.vteps.insert(v.node.clone(), v.clone());
+                if self.vtep_is_remote(&v.node) {
+                    return;
+                }
+            }
+            Update::Remove(Key::Vtep(node)) => {
+                self.vteps.remove(node);
+                if self.vtep_is_remote(node) {
+                    return;
+                }
             }
             Update::HostMetadata(h) => {
                 self.hosts.insert(h.hostname.clone(), h.clone());
@@ -406,9 +465,6 @@ impl Manager for RoutesManager {
                     info!(hostname = ?h, "this node's name from ConfigUpdate");
                     self.hostname_override = h;
                 }
-            }
-            Update::Remove(Key::Vtep(node)) => {
-                self.vteps.remove(node);
             }
             Update::Remove(Key::HostMetadata(h)) => {
                 self.hosts.remove(h);
@@ -477,7 +533,16 @@ impl Manager for RoutesManager {
             self.all_dirty = false;
             self.dirty_dsts.clear();
             self.full_pass(kernel);
-        } else if !self.dirty_dsts.is_empty() {
+        } else if self.vteps_dirty || !self.dirty_dsts.is_empty() {
+            if self.vteps_dirty {
+                self.vteps_dirty = false;
+                let (neighbours, fdb) = self.vtep_entries();
+                self.counts.insert("vteps", neighbours.len());
+                if let Some(k) = &mut kernel.routes {
+                    k.set_neighbours(RouteSource::Cluster, neighbours);
+                    k.set_fdb(fdb);
+                }
+            }
             let dsts = std::mem::take(&mut self.dirty_dsts);
             for dst in dsts {
                 let target = self.target_for(dst);

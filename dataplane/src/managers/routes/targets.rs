@@ -78,15 +78,21 @@ impl RoutesManager {
         if !is_type(r, REMOTE_WORKLOAD) && !remote_tunnel {
             return Ok(None);
         }
-        let parent = self.parent(ver);
+        // The parent as of the last look at the interfaces (kept current by
+        // `on_interface` and every full pass): not searched per route.
+        let parent = match ver {
+            IpVersion::V4 => self.underlay.0.as_ref(),
+            IpVersion::V6 => self.underlay.1.as_ref(),
+        }
+        .map(|(name, _, _)| name.as_str());
         match r.ip_pool_type {
             POOL_VXLAN => {
                 if r.same_subnet
-                    && let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent)
+                    && let (Some(gw), Some(p)) = (r.dst_node_ip, parent)
                 {
                     return Ok(Some(self.target(
                         RouteClass::VxlanSameSubnet,
-                        &p.name,
+                        p,
                         Some(gw),
                         rp,
                         None,
@@ -106,11 +112,7 @@ impl RoutesManager {
                     )));
                 }
                 let node = r.dst_node_name.as_ref().map(Id::as_str).unwrap_or("");
-                let vtep = self
-                    .vteps
-                    .iter()
-                    .find(|(n, _)| n.as_str() == node)
-                    .and_then(|(_, v)| Self::vtep_addrs(v, ver));
+                let vtep = self.vteps.get(node).and_then(|v| Self::vtep_addrs(v, ver));
                 let Some((gw, _, _)) = vtep else {
                     return Err(format!("{}: waiting for the VTEP of node {node:?}", r.dst));
                 };
@@ -123,7 +125,7 @@ impl RoutesManager {
                 )))
             }
             POOL_NO_ENCAP => {
-                let (Some(gw), Some((p, _))) = (r.dst_node_ip, parent) else {
+                let (Some(gw), Some(p)) = (r.dst_node_ip, parent) else {
                     return Err(format!(
                         "{}: no-encap route needs dst_node_ip and this node's interface",
                         r.dst
@@ -131,7 +133,7 @@ impl RoutesManager {
                 };
                 Ok(Some(self.target(
                     RouteClass::NoEncap,
-                    &p.name,
+                    p,
                     Some(gw),
                     rp,
                     None,
@@ -142,17 +144,17 @@ impl RoutesManager {
                     return Err(format!("{}: IPIP route without dst_node_ip", r.dst));
                 };
                 if r.same_subnet
-                    && let Some((p, _)) = parent
+                    && let Some(p) = parent
                 {
                     return Ok(Some(self.target(
                         RouteClass::IpipSameSubnet,
-                        &p.name,
+                        p,
                         Some(gw),
                         rp,
                         None,
                     )));
                 }
-                if self.link_named(IPIP_DEVICE).is_none() {
+                if !self.underlay.2 {
                     return Err(format!(
                         "{}: IPIP needs {IPIP_DEVICE}, which this kernel does not have (no ipip module)",
                         r.dst

@@ -630,3 +630,51 @@ fn a_route_update_is_worked_out_alone_and_workload_links_change_nothing() {
         "{status:?}"
     );
 }
+
+#[test]
+fn another_node_s_vtep_touches_its_entries_and_its_routes_only() {
+    let mut m = vxlan_node();
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    // Node 2 comes back with another MAC and VTEP address.
+    m.on_update(&vtep("node2", 9, "10.65.2.1", "172.31.77.2"));
+    assert!(!m.all_dirty);
+    assert!(m.vteps_dirty);
+    assert_eq!(
+        m.dirty_dsts
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["10.65.1.60/32", "10.65.2.0/26", "10.65.2.0/32"],
+        "the routes to node 2"
+    );
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        routes(&k).contains(
+            &"10.65.2.0/26 via 10.65.2.1 dev vxlan.calico onlink proto 3 mtu 1450".to_string()
+        ),
+        "{:?}",
+        routes(&k)
+    );
+    let r = k.routes.as_ref().unwrap();
+    assert_eq!(
+        r.desired_neighbours()
+            .iter()
+            .map(|n| (n.addr.to_string(), n.mac.to_string()))
+            .collect::<Vec<_>>(),
+        [("10.65.2.1".to_string(), "66:6a:00:00:00:09".to_string())]
+    );
+    // Node 2 leaves: its entries go, its block waits for a VTEP again.
+    m.on_update(&Update::Remove(Key::Vtep(id("node2"))));
+    assert!(!m.all_dirty);
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(k.routes.as_ref().unwrap().desired_neighbours().is_empty());
+    assert!(
+        !routes(&k).iter().any(|r| r.starts_with("10.65.2.0/26")),
+        "{:?}",
+        routes(&k)
+    );
+    // Our own VTEP is everything's business.
+    m.on_update(&vtep("node1", 7, "10.65.1.0", "172.31.77.1"));
+    assert!(m.all_dirty);
+}

@@ -18,10 +18,7 @@ impl RoutesManager {
     }
 
     pub(super) fn local_vtep(&self) -> Option<&Vtep> {
-        self.vteps
-            .iter()
-            .find(|(n, _)| n.as_str() == self.hostname())
-            .map(|(_, v)| v)
+        self.vteps.get(self.hostname())
     }
 
     /// (VTEP IP, MAC, parent IP) of a VTEP for one IP version.
@@ -41,11 +38,7 @@ impl RoutesManager {
         {
             return Some((l, ip));
         }
-        let host = self
-            .hosts
-            .iter()
-            .find(|(n, _)| n.as_str() == self.hostname())
-            .map(|(_, h)| h)?;
+        let host = self.hosts.get(self.hostname())?;
         let ip = match ver {
             IpVersion::V4 => host.ipv4_addr?,
             IpVersion::V6 => host.ipv6_addr?,
