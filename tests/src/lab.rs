@@ -310,6 +310,32 @@ pub fn tcp_ok(from: &Netns, to: SocketAddr, timeout: Duration) -> bool {
     })
 }
 
+/// A UDP socket on a source port no earlier probe of this process used.
+///
+/// A probe is a new flow: with a random port it can happen to reuse the
+/// 5-tuple of an earlier probe's flow that conntrack still holds (UDP
+/// entries live 30–120 s), and then a packet that policy now blocks is
+/// accepted as part of an established flow — correct behaviour that the
+/// probe must not mistake for a hole. Ports come from 20000–31999, below
+/// the kernel's ephemeral range.
+fn udp_probe_socket(v4: bool) -> UdpSocket {
+    use std::sync::atomic::AtomicU32;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    for _ in 0..12_000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed) % 12_000;
+        let port = 20_000 + n as u16;
+        let bind: SocketAddr = if v4 {
+            SocketAddr::from(([0, 0, 0, 0], port))
+        } else {
+            SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port))
+        };
+        if let Ok(s) = UdpSocket::bind(bind) {
+            return s;
+        }
+    }
+    panic!("no free UDP source port for a probe in 20000-31999")
+}
+
 /// One probe of [`probe`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
@@ -328,8 +354,7 @@ pub fn probe(from: &Netns, to: &str, p: Probe) -> bool {
     match p {
         Probe::Tcp(port) => tcp_ok(from, SocketAddr::new(ip, port), Duration::from_millis(400)),
         Probe::Udp(port) => in_ns(&from.0, move || {
-            let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
-            let s = UdpSocket::bind(bind).expect("bind a udp probe");
+            let s = udp_probe_socket(ip.is_ipv4());
             s.set_read_timeout(Some(Duration::from_millis(400)))
                 .expect("read timeout");
             let _ = s.send_to(b"ping", SocketAddr::new(ip, port));
