@@ -425,6 +425,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 failsafe_in: args.failsafe_inbound.0.clone(),
                 failsafe_out: args.failsafe_outbound.0.clone(),
                 device_route_protocol: args.device_route_protocol,
+                vxlan: args.vxlan,
+                vxlan_port: args.vxlan_port,
             },
             names.clone(),
         )),

@@ -379,11 +379,17 @@ pub struct Capture {
 }
 
 impl Capture {
-    /// Starts capturing what matches `filter`; returns once tcpdump listens.
+    /// Starts capturing on `eth0` what matches `filter`; returns once
+    /// tcpdump listens.
     pub fn start(ns: &Netns, filter: &str) -> Result<Self> {
+        Self::start_on(ns, "eth0", filter)
+    }
+
+    /// The same on interface `iface`.
+    pub fn start_on(ns: &Netns, iface: &str, filter: &str) -> Result<Self> {
         let mut child = ns
             .command("tcpdump")
-            .args(["-i", "eth0", "-nn", "-l", "-p", filter])
+            .args(["-i", iface, "-nn", "-l", "-p", filter])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

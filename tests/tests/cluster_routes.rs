@@ -210,6 +210,60 @@ fn all_probes(from: &Netns, to: &str) -> Vec<(Probe, bool)> {
     PROBES.iter().map(|p| (*p, probe(from, to, *p))).collect()
 }
 
+/// A VXLAN packet's UDP payload: VNI 4096, an Ethernet frame to `dst_mac`
+/// carrying an IPv4/UDP datagram `src` → `dst`:53 (what a node's VTEP
+/// sends; here made by hand, as an intruder on the underlay could).
+fn vxlan_payload(dst_mac: &str, src: [u8; 4], dst: [u8; 4]) -> Vec<u8> {
+    let mac = |s: &str| -> Vec<u8> {
+        s.split(':')
+            .map(|b| u8::from_str_radix(b, 16).expect("a MAC"))
+            .collect()
+    };
+    let mut p = vec![0x08, 0, 0, 0, 0x00, 0x10, 0x00, 0]; // flags I, VNI 4096
+    p.extend(mac(dst_mac));
+    p.extend(mac("02:de:ad:be:ef:01"));
+    p.extend([0x08, 0x00]); // IPv4
+    let udp_len = 8 + 2u16;
+    let total = 20 + udp_len;
+    let mut ip = vec![
+        0x45,
+        0,
+        (total >> 8) as u8,
+        total as u8,
+        0,
+        1,
+        0,
+        0,
+        64,
+        17,
+        0,
+        0,
+    ];
+    ip.extend(src);
+    ip.extend(dst);
+    let sum = ip
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum::<u32>();
+    let sum = !(((sum & 0xffff) + (sum >> 16)) as u16);
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    p.extend(ip);
+    p.extend([0x9c, 0x40, 0, 53, (udp_len >> 8) as u8, udp_len as u8, 0, 0]); // 40000 -> 53, no checksum
+    p.extend(b"hi");
+    p
+}
+
+/// Sends one hand-made VXLAN packet from `src` (an address of `ns`) to
+/// `dst`:4789.
+fn send_vxlan(ns: &Netns, src: &str, dst: &str, payload: Vec<u8>) -> Result<()> {
+    let (src, dst): (std::net::IpAddr, std::net::IpAddr) = (src.parse()?, dst.parse()?);
+    dphandler_tests::lab::in_ns(&ns.0, move || -> Result<()> {
+        let s = std::net::UdpSocket::bind((src, 0))?;
+        s.send_to(&payload, (dst, 4789))?;
+        Ok(())
+    })
+}
+
 fn assert_all(from: &Netns, to: &str, want: bool, what: &str) {
     for (p, got) in all_probes(from, to) {
         assert_eq!(got, want, "{what}: {p:?} to {to}");
@@ -374,6 +428,36 @@ async fn pods_on_two_nodes_talk_over_vxlan() -> Result<()> {
         );
     }
     assert!(clear.is_empty(), "pod addresses in the clear: {clear:?}");
+
+    // VXLAN to node 2 only from known nodes: a packet made as node 1's
+    // VTEP would make it arrives at pod B when it comes from node 1's
+    // address, and is dropped when it comes from another address on the
+    // underlay (an intruder forging pod traffic).
+    nodes[0]
+        .ns
+        .run("ip", &["addr", "add", "172.31.77.9/24", "dev", "eth0"])?;
+    let forged = |from: &str| -> Result<Vec<String>> {
+        let seen = Capture::start_on(&nodes[1].ns, "caliB", "udp and host 10.65.1.77")?;
+        for _ in 0..3 {
+            send_vxlan(
+                &nodes[0].ns,
+                from,
+                UNDERLAY[1],
+                vxlan_payload(VTEP_MACS[1], [10, 65, 1, 77], [10, 65, 2, 2]),
+            )?;
+        }
+        Ok(seen.finish())
+    };
+    let known = forged(UNDERLAY[0])?;
+    assert!(
+        known.iter().any(|l| l.contains("10.65.1.77")),
+        "the hand-made VXLAN packet from node 1 did not arrive: {known:?}"
+    );
+    let unknown = forged("172.31.77.9")?;
+    assert!(
+        unknown.is_empty(),
+        "VXLAN from an unknown underlay address reached pod B: {unknown:?}"
+    );
 
     // Blackhole: an address of node 1's block with no workload gets no
     // reply and does not leak to node 1's default route.

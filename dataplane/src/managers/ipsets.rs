@@ -47,6 +47,9 @@ pub struct IpSetsManager {
     pools: std::collections::BTreeMap<Id, (ipnet::IpNet, bool)>,
     /// The host's addresses, when the host-IPs set is kept.
     host_ips: Option<HostIps>,
+    /// Each node's VTEP parent addresses (IPv4, IPv6), for
+    /// [`VXLAN_SOURCES`].
+    vtep_parents: BTreeMap<Id, Vec<std::net::IpAddr>>,
 }
 
 /// What the host-IPs set is built from: every address of every interface
@@ -79,6 +82,9 @@ pub const ALL_POOLS: &str = "all-ipam-pools";
 pub const MASQ_POOLS: &str = "masq-ipam-pools";
 /// The set of this host's addresses (Felix's `this-host`).
 pub const HOST_IPS: &str = "this-host";
+/// The nodes VXLAN packets may come from: every VTEP's parent address
+/// (Felix's `all-vxlan-net`).
+pub const VXLAN_SOURCES: &str = "all-vxlan-net";
 
 impl IpSetsManager {
     /// `max_size` is every set's `maxelem`; a set that would grow beyond it
@@ -90,6 +96,7 @@ impl IpSetsManager {
             changes: HashMap::new(),
             pools: Default::default(),
             host_ips: None,
+            vtep_parents: BTreeMap::new(),
         }
     }
 
@@ -135,6 +142,25 @@ impl IpSetsManager {
             );
             self.changes.insert(id, Change::Full);
         }
+    }
+
+    /// Rebuilds the set of VXLAN sources from the VTEPs.
+    fn update_vxlan_sources(&mut self) {
+        let id = Id::new(VXLAN_SOURCES).expect("a valid id");
+        let members = self
+            .vtep_parents
+            .values()
+            .flatten()
+            .map(|ip| Member::Net(ipnet::IpNet::from(*ip)))
+            .collect();
+        self.sets.insert(
+            id.clone(),
+            DesiredSet {
+                set_type: IpSetType::Net,
+                members,
+            },
+        );
+        self.changes.insert(id, Change::Full);
     }
 
     fn too_big(&self, field: &str, v: IpVersion, n: usize) -> Result<(), ValidationError> {
@@ -259,6 +285,19 @@ impl Manager for IpSetsManager {
             }
             Update::Remove(Key::IpamPool(id)) if self.pools.remove(id).is_some() => {
                 self.update_pool_sets();
+            }
+            Update::Vtep(v) => {
+                let parents: Vec<std::net::IpAddr> = [v.parent_device_ip, v.parent_device_ipv6]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                if self.vtep_parents.get(&v.node) != Some(&parents) {
+                    self.vtep_parents.insert(v.node.clone(), parents);
+                    self.update_vxlan_sources();
+                }
+            }
+            Update::Remove(Key::Vtep(node)) if self.vtep_parents.remove(node).is_some() => {
+                self.update_vxlan_sources();
             }
             _ => {}
         }
@@ -476,6 +515,41 @@ mod tests {
         let all = v4.0.lock().unwrap().clone();
         assert_eq!(all.len(), 2);
         assert!(all[1].contains("create dph40s:a hash:net"), "{all:?}");
+    }
+
+    #[test]
+    fn vxlan_sources_follow_the_vteps() {
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE);
+        let (mut k, v4, v6) = kernel();
+        let vtep = |node: &str, ip: &str, ip6: Option<&str>| {
+            Update::Vtep(crate::model::Vtep {
+                node: Id::new(node).unwrap(),
+                mac: Some(crate::model::MacAddr([0x66, 0, 0, 0, 0, 1])),
+                ipv4_addr: Some("10.65.0.0".parse().unwrap()),
+                parent_device_ip: Some(ip.parse().unwrap()),
+                mac_v6: ip6.map(|_| crate::model::MacAddr([0x66, 0, 0, 0, 0, 2])),
+                ipv6_addr: ip6.map(|_| "fd00:65::".parse().unwrap()),
+                parent_device_ipv6: ip6.map(|a| a.parse().unwrap()),
+            })
+        };
+        for u in [
+            vtep("node1", "172.31.0.1", Some("fd00:77::1")),
+            vtep("node2", "172.31.0.2", None),
+        ] {
+            mgr.on_update(&u);
+        }
+        apply(&mut mgr, &mut k);
+        let s4 = v4.0.lock().unwrap().join("");
+        assert!(s4.contains("create dph40all-vxlan-net hash:net"), "{s4}");
+        assert!(s4.contains("add dph40all-vxlan-net 172.31.0.1"), "{s4}");
+        assert!(s4.contains("add dph40all-vxlan-net 172.31.0.2"), "{s4}");
+        let s6 = v6.0.lock().unwrap().join("");
+        assert!(s6.contains("add dph60all-vxlan-net fd00:77::1"), "{s6}");
+        // Node 2 leaves.
+        mgr.on_update(&Update::Remove(Key::Vtep(Id::new("node2").unwrap())));
+        apply(&mut mgr, &mut k);
+        let last = v4.0.lock().unwrap().last().unwrap().clone();
+        assert!(last.contains("del dph40all-vxlan-net 172.31.0.2"), "{last}");
     }
 
     #[test]

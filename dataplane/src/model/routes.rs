@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::MacAddr;
+use super::{Encapsulation, IpVersion, MacAddr};
 
 /// The main routing table.
 pub const MAIN_TABLE: u32 = 254;
@@ -144,4 +144,39 @@ pub struct IpRule {
     pub invert: bool,
     pub src: Option<IpNet>,
     pub table: u32,
+}
+
+/// `--vxlan`: on, off, or as the calc graph's `Encapsulation` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VxlanMode {
+    #[default]
+    Auto,
+    Enabled,
+    Disabled,
+}
+
+impl std::str::FromStr for VxlanMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "enabled" | "true" | "on" => Ok(Self::Enabled),
+            "disabled" | "false" | "off" => Ok(Self::Disabled),
+            _ => Err(format!("{s:?}: expected auto, enabled or disabled")),
+        }
+    }
+}
+
+impl VxlanMode {
+    /// Whether VXLAN is on for IP version `v` (IPv6 only where the daemon
+    /// programs IPv6 at all).
+    pub fn on(self, encap: &Encapsulation, v: IpVersion, ipv6: bool) -> bool {
+        match (self, v) {
+            (_, IpVersion::V6) if !ipv6 => false,
+            (Self::Enabled, _) => true,
+            (Self::Disabled, _) => false,
+            (Self::Auto, IpVersion::V4) => encap.vxlan_enabled,
+            (Self::Auto, IpVersion::V6) => encap.vxlan_enabled_v6,
+        }
+    }
 }

@@ -6,6 +6,7 @@ use super::hosts::Resolved;
 use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
 use crate::backends::iptables::{MAX_CHAIN_NAME, Rule};
 use crate::managers::ManagerError;
+use crate::managers::ipsets::VXLAN_SOURCES;
 use crate::model::{EndpointState, Id, IpVersion, TierDefault, TierInfo, WorkloadEndpoint};
 use crate::rules::{Direction, Renderer};
 
@@ -416,6 +417,22 @@ impl EndpointsManager {
                 })
                 .collect::<Result<_, _>>()?,
         };
+        // VXLAN to this host only from the nodes we know (Felix's
+        // all-vxlan-net rules): a forged VXLAN packet from elsewhere on the
+        // underlay cannot inject traffic into the pod network.
+        if self.cfg.vxlan.on(&self.encap, v, true) {
+            let port = self.cfg.vxlan_port.to_string();
+            let sources = self
+                .sets
+                .name(v, &Id::new(VXLAN_SOURCES).expect("a valid id"));
+            let vxlan = ["-p", "udp", "-m", "udp", "--dport", port.as_str()];
+            let local = ["-m", "addrtype", "--dst-type", "LOCAL"];
+            let from_known = ["-m", "set", "--match-set", sources.as_str(), "src"];
+            input.push(rule(
+                &[&vxlan[..], &from_known, &local, &["-j", "ACCEPT"]].concat(),
+            )?);
+            input.push(rule(&[&vxlan[..], &local, &["-j", "DROP"]].concat())?);
+        }
         input.extend([
             rule(&["-i", &wl, "-j", &from])?,
             on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,

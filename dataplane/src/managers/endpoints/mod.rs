@@ -82,6 +82,11 @@ pub struct EndpointsConfig {
     /// Protocol of the routes to workloads (Felix's DeviceRouteProtocol,
     /// 3 = `boot`): they are ours by their interface, not their protocol.
     pub device_route_protocol: u8,
+    /// VXLAN (`--vxlan`) and its UDP port: while it is on, VXLAN packets
+    /// to this host are accepted only from the nodes of the VXLAN-sources
+    /// set (Felix's `all-vxlan-net` rules in `cali-INPUT`).
+    pub vxlan: crate::model::routes::VxlanMode,
+    pub vxlan_port: u16,
 }
 
 /// (protocol, port) pairs.
@@ -180,6 +185,8 @@ pub struct EndpointsManager {
     owned: HashMap<Owner, Vec<(usize, String)>>,
     /// All-interfaces endpoints with untracked policy already warned about.
     warned: BTreeSet<HostEndpointId>,
+    /// The calc graph's encapsulation (whether VXLAN is on).
+    encap: crate::model::Encapsulation,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -254,6 +261,7 @@ impl EndpointsManager {
             resolved: hosts::Resolved::default(),
             reported: BTreeMap::new(),
             reported_hosts: BTreeMap::new(),
+            encap: crate::model::Encapsulation::default(),
             owned: HashMap::new(),
             warned: BTreeSet::new(),
         }
@@ -464,6 +472,13 @@ impl Manager for EndpointsManager {
     )]
     fn on_update(&mut self, update: &Update) {
         match update {
+            Update::Encapsulation(e) => {
+                // VXLAN on or off: the INPUT rules that guard it.
+                if *e != self.encap {
+                    self.encap = *e;
+                    self.dirty.statics = true;
+                }
+            }
             Update::Policy(id, p) => {
                 let old = self.policies.insert(id.clone(), p.clone());
                 let moved = old

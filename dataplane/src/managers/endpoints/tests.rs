@@ -12,6 +12,8 @@ fn mgr() -> EndpointsManager {
             failsafe_in: default_failsafe().0,
             failsafe_out: default_failsafe().1,
             device_route_protocol: 3,
+            vxlan: crate::model::routes::VxlanMode::Auto,
+            vxlan_port: 4789,
         },
         SetNames::new("dph").unwrap(),
     )
@@ -665,6 +667,49 @@ fn dispatch_is_a_tree_that_reaches_every_endpoint() {
     assert_eq!(
         dispatch_to(&after, "dph-to-wl-dispatch", "cali00000000abc"),
         "dph-tw-cali00000000abc"
+    );
+}
+
+#[test]
+fn vxlan_to_this_host_only_from_known_nodes() {
+    let filter = |v, encap: crate::model::Encapsulation| {
+        let mut m = mgr();
+        m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));
+        m.on_update(&Update::Encapsulation(encap));
+        run(&mut m, &mut kernel(v), "filter")
+    };
+    let on = crate::model::Encapsulation {
+        vxlan_enabled: true,
+        ..Default::default()
+    };
+    let v4 = filter(IpVersion::V4, on);
+    // Felix's all-vxlan-net rules, first in INPUT.
+    assert_eq!(
+        v4["dph-INPUT"][..3],
+        [
+            "-p udp -m udp --dport 4789 -m set --match-set dph40all-vxlan-net src -m addrtype --dst-type LOCAL -j ACCEPT",
+            "-p udp -m udp --dport 4789 -m addrtype --dst-type LOCAL -j DROP",
+            "-i cali+ -j dph-from-wl-dispatch",
+        ]
+    );
+    // VXLAN on for IPv4 only: nothing of it in IPv6; off: nothing at all.
+    let v6 = filter(IpVersion::V6, on);
+    assert!(!v6.values().flatten().any(|r| r.contains("4789")));
+    let off = filter(IpVersion::V4, crate::model::Encapsulation::default());
+    assert!(!off.values().flatten().any(|r| r.contains("4789")));
+    let v6_on = filter(
+        IpVersion::V6,
+        crate::model::Encapsulation {
+            vxlan_enabled_v6: true,
+            ..Default::default()
+        },
+    );
+    assert!(
+        v6_on["dph-INPUT"]
+            .iter()
+            .any(|r| r.contains("--match-set dph60all-vxlan-net src")),
+        "{:?}",
+        v6_on["dph-INPUT"]
     );
 }
 

@@ -52,26 +52,7 @@ pub const VXLAN_V4: &str = "vxlan.calico";
 pub const VXLAN_V6: &str = "vxlan-v6.calico";
 pub const IPIP_DEVICE: &str = "tunl0";
 
-/// `--vxlan`: on, off, or as the calc graph's `Encapsulation` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum VxlanMode {
-    #[default]
-    Auto,
-    Enabled,
-    Disabled,
-}
-
-impl std::str::FromStr for VxlanMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "enabled" | "true" | "on" => Ok(Self::Enabled),
-            "disabled" | "false" | "off" => Ok(Self::Disabled),
-            _ => Err(format!("{s:?}: expected auto, enabled or disabled")),
-        }
-    }
-}
+pub use crate::model::routes::VxlanMode;
 
 #[derive(Debug, Clone)]
 pub struct RoutesConfig {

@@ -9,14 +9,7 @@ use super::*;
 
 impl RoutesManager {
     pub(super) fn vxlan_on(&self, v: IpVersion) -> bool {
-        match self.cfg.vxlan {
-            VxlanMode::Enabled => v == IpVersion::V4 || self.cfg.ipv6,
-            VxlanMode::Disabled => false,
-            VxlanMode::Auto => match v {
-                IpVersion::V4 => self.encap.vxlan_enabled,
-                IpVersion::V6 => self.cfg.ipv6 && self.encap.vxlan_enabled_v6,
-            },
-        }
+        self.cfg.vxlan.on(&self.encap, v, self.cfg.ipv6)
     }
 
     /// Whether routes of this pool type are ours to program.
