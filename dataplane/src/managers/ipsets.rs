@@ -133,15 +133,20 @@ impl IpSetsManager {
                 .filter(|(_, masq)| !masq_only || *masq)
                 .map(|(cidr, _)| Member::Net(*cidr))
                 .collect();
-            self.sets.insert(
-                id.clone(),
-                DesiredSet {
-                    set_type: IpSetType::Net,
-                    members,
-                },
-            );
-            self.changes.insert(id, Change::Full);
+            self.set_derived(id, members);
         }
+    }
+
+    /// Replaces a set the daemon derives itself (type NET).
+    fn set_derived(&mut self, id: Id, members: HashSet<Member>) {
+        self.sets.insert(
+            id.clone(),
+            DesiredSet {
+                set_type: IpSetType::Net,
+                members,
+            },
+        );
+        self.changes.insert(id, Change::Full);
     }
 
     /// Rebuilds the set of VXLAN sources from the VTEPs.
@@ -153,14 +158,7 @@ impl IpSetsManager {
             .flatten()
             .map(|ip| Member::Net(ipnet::IpNet::from(*ip)))
             .collect();
-        self.sets.insert(
-            id.clone(),
-            DesiredSet {
-                set_type: IpSetType::Net,
-                members,
-            },
-        );
-        self.changes.insert(id, Change::Full);
+        self.set_derived(id, members);
     }
 
     fn too_big(&self, field: &str, v: IpVersion, n: usize) -> Result<(), ValidationError> {
