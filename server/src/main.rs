@@ -414,7 +414,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     kernel.others.push(Box::new(node));
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(
-            IpSetsManager::new(args.max_ipset_size).with_host_ips(&args.workload_iface_prefix),
+            IpSetsManager::new(args.max_ipset_size)
+                .with_host_ips(&args.workload_iface_prefix)
+                .with_vxlan_sources(),
         ),
         Box::new(NatManager::new(&args.prefix, names.clone())),
         Box::new(EndpointsManager::new(

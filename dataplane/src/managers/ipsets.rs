@@ -122,6 +122,14 @@ impl IpSetsManager {
         self
     }
 
+    /// Keep the VXLAN-sources set ([`VXLAN_SOURCES`]) from the start, even
+    /// before any VTEP is known: the VXLAN rules in INPUT name it as soon
+    /// as VXLAN is on, and a rule cannot name a set that does not exist.
+    pub fn with_vxlan_sources(mut self) -> Self {
+        self.update_vxlan_sources();
+        self
+    }
+
     /// Rebuilds the two sets derived from the IPAM pools (type NET; ids
     /// the calc graph does not use: its own carry a `s:`/`n:`-style prefix).
     fn update_pool_sets(&mut self) {
@@ -517,8 +525,16 @@ mod tests {
 
     #[test]
     fn vxlan_sources_follow_the_vteps() {
-        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE);
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE).with_vxlan_sources();
         let (mut k, v4, v6) = kernel();
+        // There from the start, empty.
+        apply(&mut mgr, &mut k);
+        assert!(
+            v4.0.lock()
+                .unwrap()
+                .join("")
+                .contains("create dph40all-vxlan-net hash:net")
+        );
         let vtep = |node: &str, ip: &str, ip6: Option<&str>| {
             Update::Vtep(crate::model::Vtep {
                 node: Id::new(node).unwrap(),

@@ -62,8 +62,12 @@ impl RoutesManager {
         let Some((addr, mac, parent_ip)) = self.local_vtep().and_then(|v| Self::vtep_addrs(v, ver))
         else {
             return Err(format!(
-                "waiting for this node's VTEP ({}) with an {ver:?} address",
-                self.hostname()
+                "waiting for this node's VTEP ({}) with an {} address",
+                self.hostname(),
+                match ver {
+                    IpVersion::V4 => "IPv4",
+                    IpVersion::V6 => "IPv6",
+                }
             ));
         };
         let Some(parent) = self.link_holding(parent_ip) else {
