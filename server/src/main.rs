@@ -416,7 +416,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Box::new(
             IpSetsManager::new(args.max_ipset_size)
                 .with_host_ips(&args.workload_iface_prefix)
-                .with_vxlan_sources(),
+                .with_vxlan_sources(args.vxlan),
         ),
         Box::new(NatManager::new(&args.prefix, names.clone())),
         Box::new(EndpointsManager::new(

@@ -50,6 +50,11 @@ pub struct IpSetsManager {
     /// Each node's VTEP parent addresses (IPv4, IPv6), for
     /// [`VXLAN_SOURCES`].
     vtep_parents: BTreeMap<Id, Vec<std::net::IpAddr>>,
+    /// `--vxlan`, when the VXLAN-sources set is kept, and the calc graph's
+    /// encapsulation: the set exists while VXLAN is on (or VTEPs are
+    /// known).
+    vxlan: Option<crate::model::routes::VxlanMode>,
+    encap: crate::model::Encapsulation,
 }
 
 /// What the host-IPs set is built from: every address of every interface
@@ -97,6 +102,8 @@ impl IpSetsManager {
             pools: Default::default(),
             host_ips: None,
             vtep_parents: BTreeMap::new(),
+            vxlan: None,
+            encap: crate::model::Encapsulation::default(),
         }
     }
 
@@ -122,10 +129,12 @@ impl IpSetsManager {
         self
     }
 
-    /// Keep the VXLAN-sources set ([`VXLAN_SOURCES`]) from the start, even
-    /// before any VTEP is known: the VXLAN rules in INPUT name it as soon
-    /// as VXLAN is on, and a rule cannot name a set that does not exist.
-    pub fn with_vxlan_sources(mut self) -> Self {
+    /// Keep the VXLAN-sources set ([`VXLAN_SOURCES`]) while VXLAN is on
+    /// (`mode` and the calc graph's `Encapsulation`), even before any VTEP
+    /// is known: the VXLAN rules in INPUT name it as soon as VXLAN is on,
+    /// and a rule cannot name a set that does not exist.
+    pub fn with_vxlan_sources(mut self, mode: crate::model::routes::VxlanMode) -> Self {
+        self.vxlan = Some(mode);
         self.update_vxlan_sources();
         self
     }
@@ -157,9 +166,22 @@ impl IpSetsManager {
         self.changes.insert(id, Change::Full);
     }
 
-    /// Rebuilds the set of VXLAN sources from the VTEPs.
+    /// Rebuilds the set of VXLAN sources from the VTEPs; removes it when
+    /// VXLAN is off and no VTEP is known.
     fn update_vxlan_sources(&mut self) {
+        let Some(mode) = self.vxlan else {
+            return;
+        };
         let id = Id::new(VXLAN_SOURCES).expect("a valid id");
+        let on = [IpVersion::V4, IpVersion::V6]
+            .into_iter()
+            .any(|v| mode.on(&self.encap, v, true));
+        if !on && self.vtep_parents.is_empty() {
+            if self.sets.remove(&id).is_some() {
+                self.changes.insert(id, Change::Removed);
+            }
+            return;
+        }
         let members = self
             .vtep_parents
             .values()
@@ -303,6 +325,10 @@ impl Manager for IpSetsManager {
                 }
             }
             Update::Remove(Key::Vtep(node)) if self.vtep_parents.remove(node).is_some() => {
+                self.update_vxlan_sources();
+            }
+            Update::Encapsulation(e) if *e != self.encap => {
+                self.encap = *e;
                 self.update_vxlan_sources();
             }
             _ => {}
@@ -525,9 +551,17 @@ mod tests {
 
     #[test]
     fn vxlan_sources_follow_the_vteps() {
-        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE).with_vxlan_sources();
+        use crate::model::routes::VxlanMode;
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE).with_vxlan_sources(VxlanMode::Auto);
         let (mut k, v4, v6) = kernel();
-        // There from the start, empty.
+        // Not while VXLAN is off and no VTEP is known.
+        apply(&mut mgr, &mut k);
+        assert!(!v4.0.lock().unwrap().join("").contains("all-vxlan-net"));
+        // VXLAN on: there at once, empty, before any VTEP.
+        mgr.on_update(&Update::Encapsulation(crate::model::Encapsulation {
+            vxlan_enabled: true,
+            ..Default::default()
+        }));
         apply(&mut mgr, &mut k);
         assert!(
             v4.0.lock()
