@@ -7,8 +7,10 @@
 //! its connection task spawned on it, and blocks on it for each request:
 //! the socket is opened once, in the namespace the daemon runs in, and is
 //! driven only while the backend waits on it (a current-thread runtime runs
-//! its tasks inside `block_on`). `block_on` is not called from an async
-//! context: applies run on blocking threads.
+//! its tasks inside `block_on`). `block_on` is never called from async
+//! code: applies run inside `block_in_place` (the daemon), on the blocking
+//! pool (`spawn_blocking`, current-thread runtimes) or on the scoped
+//! threads of a phase, where blocking is allowed.
 
 use std::future::Future;
 
