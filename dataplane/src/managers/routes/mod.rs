@@ -221,7 +221,7 @@ impl RoutesManager {
     /// ours), keeping the counts and the waiting list.
     fn target_for(&mut self, dst: IpNet) -> Option<RouteTarget> {
         let result = match self.routes.get(&dst) {
-            Some(r) if self.versions().contains(&version_of(&dst)) => {
+            Some(r) if version_of(&dst) == IpVersion::V4 || self.cfg.ipv6 => {
                 self.route_for(r, &self.devices)
             }
             _ => Ok(None),
