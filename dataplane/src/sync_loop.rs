@@ -696,10 +696,22 @@ impl SyncLoop {
             self.reschedule_at = Some(self.reschedule_at.map_or(now, |t| t.min(now)));
             return;
         }
+        let in_sync_now = !self.in_sync_sent && !self.dirty;
+        if in_sync_now {
+            self.in_sync_sent = true;
+            self.status.in_sync = true;
+        }
+        for s in self.sessions.values() {
+            if let Some(h) = s.highest {
+                self.status.last_programmed = self.status.last_programmed.max(h);
+            }
+        }
+        // A feeder that hears `Programmed` and then asks GetStatus must find
+        // it said there already: publish first.
+        self.publish(ch);
         for s in self.sessions.values() {
             if let Some(h) = s.highest {
                 s.programmed.send_replace(h);
-                self.status.last_programmed = self.status.last_programmed.max(h);
             }
         }
         // Endpoint status after each successful apply, changes only.
@@ -708,9 +720,7 @@ impl SyncLoop {
                 let _ = ch.events.send(ev);
             }
         }
-        if !self.in_sync_sent && !self.dirty {
-            self.in_sync_sent = true;
-            self.status.in_sync = true;
+        if in_sync_now {
             info!("dataplane in sync");
             let _ = ch.events.send(StatusEvent::DataplaneInSync);
         }
