@@ -337,3 +337,85 @@ fn ip_rules_round_trip_and_look_up_their_table() -> Result<()> {
     assert!(!shown.contains("none"), "a rule without action: {shown}");
     Ok(())
 }
+
+#[test]
+fn the_vxlan_backend_recreates_fixes_in_place_and_deletes() -> Result<()> {
+    use dphandler_dataplane::backends::vxlan::Vxlan;
+    use dphandler_dataplane::backends::{Backend, Phase};
+    if !is_root() {
+        assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
+        eprintln!("skipped: needs root");
+        return Ok(());
+    }
+    let ns = Netns::new("nlvxlan")?;
+    ns.ip(&[
+        "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+    ])?;
+    ns.ip(&["addr", "add", "172.31.9.1/24", "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    let dev = VxlanDevice {
+        name: "vxlan.calico".into(),
+        vni: 4096,
+        port: 4789,
+        mac: MacAddr::parse("66:6a:00:00:00:01").unwrap(),
+        parent: "eth0".into(),
+        local: "172.31.9.1".parse().unwrap(),
+        mtu: 1450,
+        addr: "10.65.1.0".parse().unwrap(),
+    };
+    let index = |ns: &Netns| -> Result<String> {
+        let l = ns.ip(&["-o", "link", "show", "vxlan.calico"])?;
+        Ok(l.split(':').next().unwrap_or_default().to_string())
+    };
+    // One backend, its socket opened inside the namespace; each step is
+    // one apply there.
+    let (tx, rx) = std::sync::mpsc::channel::<Option<VxlanDevice>>();
+    let (done_tx, done) = std::sync::mpsc::channel::<Result<(), String>>();
+    let file = std::fs::File::open(format!("/run/netns/{}", ns.0))?;
+    let worker = std::thread::spawn(move || {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let seam = VxlanNetlink::open().expect("netlink");
+        let mut b = Vxlan::new(&["vxlan.calico"], Box::new(seam));
+        for want in rx {
+            b.set("vxlan.calico", want);
+            let r = b.apply(Phase::Links).map(|_| ()).map_err(|e| e.to_string());
+            done_tx.send(r).expect("the test waits");
+        }
+    });
+    let mut step = |want: Option<VxlanDevice>| -> Result<()> {
+        tx.send(want)?;
+        done.recv()?.map_err(anyhow::Error::msg)
+    };
+    step(Some(dev.clone()))?;
+    let first = index(&ns)?;
+    // Someone lowers the MTU and adds an address: put right in place.
+    ns.ip(&["link", "set", "vxlan.calico", "mtu", "1400"])?;
+    ns.ip(&["addr", "add", "10.9.9.9/24", "dev", "vxlan.calico"])?;
+    step(Some(dev.clone()))?;
+    let link = ns.ip(&["-d", "link", "show", "vxlan.calico"])?;
+    assert!(
+        link.contains("mtu 1450") && link.contains("vxlan id 4096"),
+        "{link}"
+    );
+    let addrs = ns.ip(&["-4", "addr", "show", "dev", "vxlan.calico"])?;
+    assert!(
+        addrs.contains("10.65.1.0/32") && !addrs.contains("10.9.9.9"),
+        "{addrs}"
+    );
+    assert_eq!(index(&ns)?, first, "fixed in place, not recreated");
+    // A new VNI cannot be set in place: recreated.
+    step(Some(VxlanDevice { vni: 4097, ..dev }))?;
+    let link = ns.ip(&["-d", "link", "show", "vxlan.calico"])?;
+    assert!(
+        link.contains("vxlan id 4097") && link.contains("UP"),
+        "{link}"
+    );
+    assert_ne!(index(&ns)?, first, "recreated");
+    // VXLAN off: gone; the parent stays.
+    step(None)?;
+    assert!(!ns.ip(&["link", "show"])?.contains("vxlan.calico"));
+    assert!(ns.ip(&["link", "show", "eth0"])?.contains("eth0"));
+    drop(tx);
+    worker.join().expect("the backend's thread");
+    Ok(())
+}
