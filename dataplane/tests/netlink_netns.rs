@@ -382,7 +382,7 @@ fn the_vxlan_backend_recreates_fixes_in_place_and_deletes() -> Result<()> {
             done_tx.send(r).expect("the test waits");
         }
     });
-    let mut step = |want: Option<VxlanDevice>| -> Result<()> {
+    let step = |want: Option<VxlanDevice>| -> Result<()> {
         tx.send(want)?;
         done.recv()?.map_err(anyhow::Error::msg)
     };
