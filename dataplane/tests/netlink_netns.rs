@@ -63,8 +63,42 @@ impl Drop for Netns {
     }
 }
 
-fn is_root() -> bool {
-    nix::unistd::Uid::effective().is_root()
+/// True when the test may go on: we are root. Without root the test is
+/// skipped, except under CI, where that is a failure.
+fn privileged() -> bool {
+    if nix::unistd::Uid::effective().is_root() {
+        return true;
+    }
+    assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
+    eprintln!("skipped: needs root");
+    false
+}
+
+/// A namespace with an underlay: `eth0` (172.31.9.1/24) and its veth peer
+/// `eth1`, both up.
+fn with_underlay(tag: &str) -> Result<Netns> {
+    let ns = Netns::new(tag)?;
+    ns.ip(&[
+        "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+    ])?;
+    ns.ip(&["addr", "add", "172.31.9.1/24", "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    ns.ip(&["link", "set", "eth1", "up"])?;
+    Ok(ns)
+}
+
+/// `vxlan.calico` as the routes manager would ask for it on that underlay.
+fn vxlan_device() -> VxlanDevice {
+    VxlanDevice {
+        name: "vxlan.calico".into(),
+        vni: 4096,
+        port: 4789,
+        mac: MacAddr::parse("66:6a:00:00:00:01").unwrap(),
+        parent: "eth0".into(),
+        local: "172.31.9.1".parse().unwrap(),
+        mtu: 1450,
+        addr: "10.65.1.0".parse().unwrap(),
+    }
 }
 
 fn target(kind: RouteKind, dev: Option<&str>, gw: Option<&str>, protocol: u8) -> RouteTarget {
@@ -81,18 +115,10 @@ fn target(kind: RouteKind, dev: Option<&str>, gw: Option<&str>, protocol: u8) ->
 
 #[test]
 fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
-    if !is_root() {
-        assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-        eprintln!("skipped: needs root");
+    if !privileged() {
         return Ok(());
     }
-    let ns = Netns::new("nlseam")?;
-    ns.ip(&[
-        "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
-    ])?;
-    ns.ip(&["addr", "add", "172.31.9.1/24", "dev", "eth0"])?;
-    ns.ip(&["link", "set", "eth0", "up"])?;
-    ns.ip(&["link", "set", "eth1", "up"])?;
+    let ns = with_underlay("nlseam")?;
     ns.ip(&[
         "route",
         "add",
@@ -103,16 +129,7 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
         "static",
     ])?;
 
-    let dev = VxlanDevice {
-        name: "vxlan.calico".into(),
-        vni: 4096,
-        port: 4789,
-        mac: MacAddr::parse("66:6a:00:00:00:01").unwrap(),
-        parent: "eth0".into(),
-        local: "172.31.9.1".parse().unwrap(),
-        mtu: 1450,
-        addr: "10.65.1.0".parse().unwrap(),
-    };
+    let dev = vxlan_device();
     let d = dev.clone();
     let (created, fixes) = ns.inside(move || -> Result<_> {
         let mut v = VxlanNetlink::open()?;
@@ -279,9 +296,7 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
 
 #[test]
 fn ip_rules_round_trip_and_look_up_their_table() -> Result<()> {
-    if !is_root() {
-        assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-        eprintln!("skipped: needs root");
+    if !privileged() {
         return Ok(());
     }
     let ns = Netns::new("nlrules")?;
@@ -342,27 +357,11 @@ fn ip_rules_round_trip_and_look_up_their_table() -> Result<()> {
 fn the_vxlan_backend_recreates_fixes_in_place_and_deletes() -> Result<()> {
     use dphandler_dataplane::backends::vxlan::Vxlan;
     use dphandler_dataplane::backends::{Backend, Phase};
-    if !is_root() {
-        assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-        eprintln!("skipped: needs root");
+    if !privileged() {
         return Ok(());
     }
-    let ns = Netns::new("nlvxlan")?;
-    ns.ip(&[
-        "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
-    ])?;
-    ns.ip(&["addr", "add", "172.31.9.1/24", "dev", "eth0"])?;
-    ns.ip(&["link", "set", "eth0", "up"])?;
-    let dev = VxlanDevice {
-        name: "vxlan.calico".into(),
-        vni: 4096,
-        port: 4789,
-        mac: MacAddr::parse("66:6a:00:00:00:01").unwrap(),
-        parent: "eth0".into(),
-        local: "172.31.9.1".parse().unwrap(),
-        mtu: 1450,
-        addr: "10.65.1.0".parse().unwrap(),
-    };
+    let ns = with_underlay("nlvxlan")?;
+    let dev = vxlan_device();
     let index = |ns: &Netns| -> Result<String> {
         let l = ns.ip(&["-o", "link", "show", "vxlan.calico"])?;
         Ok(l.split(':').next().unwrap_or_default().to_string())

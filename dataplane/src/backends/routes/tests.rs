@@ -93,6 +93,13 @@ impl Fake {
             .collect();
         f
     }
+    /// A link appears in the kernel.
+    fn add_link(&self, index: u32, name: &str) {
+        self.0.lock().unwrap().links.push(Link {
+            index,
+            name: name.into(),
+        });
+    }
     fn add_route(&self, r: KernelRoute) {
         self.0.lock().unwrap().routes.insert(r.key, r);
     }
@@ -407,10 +414,7 @@ fn a_route_to_a_missing_device_waits_for_it() {
     );
     // The device appears (made after our last link dump): the same desired
     // state, set again when the manager hears of it, is written now.
-    k.0.lock().unwrap().links.push(Link {
-        index: 5,
-        name: "cali2".into(),
-    });
+    k.add_link(5, "cali2");
     r.set(
         RouteSource::Workloads,
         [
@@ -435,10 +439,7 @@ fn a_new_workload_interface_keeps_unexpected_routes_for_the_grace_period() {
     let mut r = Routes::new(own(), Box::new(k.clone())).with_grace(Duration::from_millis(300));
     r.apply(Phase::RoutesAndRules).unwrap();
     // CNI makes cali2 and its route; the calc graph has not told us yet.
-    k.0.lock().unwrap().links.push(Link {
-        index: 7,
-        name: "cali2".into(),
-    });
+    k.add_link(7, "cali2");
     r.link_added(7, "cali2");
     k.add_route(kroute("10.65.0.9/32", Some(7), 3, RTN_UNICAST));
     r.request_resync(Refresh::Routes);
@@ -618,10 +619,7 @@ fn routes_waiting_for_a_device_keep_waiting_across_other_changes() {
     assert_eq!(r.summary().missing_devices, vec!["cali2".to_string()]);
     k.take_writes();
     // cali2 appears: the interface monitor tells us.
-    k.0.lock().unwrap().links.push(Link {
-        index: 5,
-        name: "cali2".into(),
-    });
+    k.add_link(5, "cali2");
     r.link_added(5, "cali2");
     assert!(r.is_dirty(Phase::RoutesAndRules));
     r.apply(Phase::RoutesAndRules).unwrap();
