@@ -3,7 +3,7 @@
 # (Debian/Ubuntu, as root). Run from the project root by demo.sh and .ci/run.
 set -euo pipefail
 need=()
-for tool in ip:iproute2 iptables:iptables ipset:ipset nft:nftables ping:iputils-ping openssl:openssl setpriv:util-linux modprobe:kmod tcpdump:tcpdump; do
+for tool in ip:iproute2 iptables:iptables ipset:ipset nft:nftables ping:iputils-ping openssl:openssl setpriv:util-linux modprobe:kmod tcpdump:tcpdump wg:wireguard-tools wireguard-go:wireguard-go; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need+=("${tool##*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then

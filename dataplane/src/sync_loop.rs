@@ -89,6 +89,13 @@ pub enum StatusEvent {
     HostEndpointStatusRemove {
         id: crate::model::HostEndpointId,
     },
+    /// This node's WireGuard public key for one IP version (base64; empty
+    /// when WireGuard is off or cannot run). Sent when it changes; a new
+    /// watcher gets the current ones first ([`Status::wireguard_keys`]).
+    WireguardStatus {
+        ip_version: crate::model::IpVersion,
+        public_key: String,
+    },
 }
 
 /// A snapshot of the loop's state, published after every change.
@@ -109,6 +116,8 @@ pub struct Status {
     /// What managers and backends report after each apply (routes, VXLAN
     /// devices, what waits for what).
     pub details: BTreeMap<String, String>,
+    /// The WireGuard public keys last announced, per IP version.
+    pub wireguard_keys: BTreeMap<crate::model::IpVersion, String>,
 }
 
 /// Median, 99th percentile and maximum of the last applies, and every
@@ -643,7 +652,13 @@ impl SyncLoop {
         let mut kernel = kernel;
         match result {
             Ok(outcome) => {
-                self.reschedule_at = outcome.reschedule_after.map(|d| Instant::now() + d);
+                // A backend that was not due in this apply keeps the time it
+                // asked for earlier (a device read again for handshakes).
+                let new = outcome.reschedule_after.map(|d| Instant::now() + d);
+                self.reschedule_at = match (self.reschedule_at, new) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
             }
             Err(errors) => {
                 let msg = errors
@@ -655,6 +670,28 @@ impl SyncLoop {
             }
         }
         let kernel_done = started.elapsed();
+        // Keys are announced as soon as the device has them, whether or not
+        // a later phase failed.
+        // The status first: a watcher that subscribes after the send finds
+        // the key there (one that subscribed in between hears it twice).
+        let events = kernel.take_events();
+        if !events.is_empty() {
+            for ev in &events {
+                if let StatusEvent::WireguardStatus {
+                    ip_version,
+                    public_key,
+                } = ev
+                {
+                    self.status
+                        .wireguard_keys
+                        .insert(*ip_version, public_key.clone());
+                }
+            }
+            self.publish(ch);
+            for ev in events {
+                let _ = ch.events.send(ev);
+            }
+        }
         let still_dirty = kernel.any_dirty();
         let details: BTreeMap<String, String> = self
             .managers

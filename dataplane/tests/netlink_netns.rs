@@ -214,6 +214,17 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
                 &target(RouteKind::Unicast, Some("eth0"), None, 80),
                 Some(eth0),
             ),
+            // WireGuard's table: a throw, v4 and v6.
+            kernel_route(
+                RouteKey::new(1, "10.65.1.0/26".parse().unwrap(), 0),
+                &target(RouteKind::Throw, None, None, 3),
+                None,
+            ),
+            kernel_route(
+                RouteKey::new(2, "fd00:65:1::/122".parse().unwrap(), 0),
+                &target(RouteKind::Throw, None, None, 3),
+                None,
+            ),
         ];
         let mac2 = MacAddr::parse("66:6a:00:00:00:02").unwrap();
         let mut ops: Vec<RouteOp> = routes.iter().cloned().map(RouteOp::ReplaceRoute).collect();
@@ -291,6 +302,8 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
         ns.ip(&["route"])?
             .contains("198.18.0.0/24 dev eth0 proto static")
     );
+    let t1 = ns.ip(&["-d", "route", "show", "table", "1"])?;
+    assert!(t1.contains("throw 10.65.1.0/26 proto boot"), "{t1}");
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use dphandler_dataplane::model::Update;
+use dphandler_dataplane::model::{IpVersion, Update};
 use dphandler_dataplane::sync_loop::{Feed, Rejection, StatusEvent};
 use dphandler_proto::felix::{self, from_dataplane};
 use dphandler_proto::v1::{self, dataplane_server::Dataplane};
@@ -131,6 +131,16 @@ pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
                 }),
             })
         }
+        StatusEvent::WireguardStatus {
+            ip_version,
+            public_key,
+        } => from_dataplane::Payload::WireguardStatusUpdate(felix::WireguardStatusUpdate {
+            public_key,
+            ip_version: match ip_version {
+                IpVersion::V4 => felix::IpVersion::Ipv4,
+                IpVersion::V6 => felix::IpVersion::Ipv6,
+            } as i32,
+        }),
         StatusEvent::WorkloadEndpointStatusRemove { id } => {
             from_dataplane::Payload::WorkloadEndpointStatusRemove(
                 felix::WorkloadEndpointStatusRemove {
@@ -315,9 +325,22 @@ impl Dataplane for DataplaneService {
         // Subscribe first, then look at the status: an InSync that happens in
         // between is seen on the channel and the synthesised one suppressed.
         let mut events = self.conn.events.subscribe();
-        let already_in_sync = self.conn.status.borrow().in_sync;
+        let (already_in_sync, keys) = {
+            let s = self.conn.status.borrow();
+            (s.in_sync, s.wireguard_keys.clone())
+        };
         let (out_tx, out_rx) = mpsc::channel(64);
         tokio::spawn(async move {
+            // A new watcher hears this node's WireGuard keys as they stand.
+            for (ip_version, public_key) in keys {
+                let ev = StatusEvent::WireguardStatus {
+                    ip_version,
+                    public_key,
+                };
+                if out_tx.send(Ok(update(from_event(ev)))).await.is_err() {
+                    return;
+                }
+            }
             if already_in_sync
                 && out_tx
                     .send(Ok(update(from_event(StatusEvent::DataplaneInSync))))

@@ -13,16 +13,23 @@ use dphandler_dataplane::backends::iptables::restore::{
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
+use dphandler_dataplane::backends::rules::{Rules, netlink::RuleNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
+use dphandler_dataplane::backends::wireguard::{Wireguard, device::WgNetlink, keys::KeyStore};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
     endpoints::{EndpointsConfig, EndpointsManager},
     ipsets::IpSetsManager,
     routes::{RoutesConfig, RoutesManager, VXLAN_V4, VXLAN_V6, VxlanMode},
+    wireguard::{WireguardConfig, WireguardManager},
 };
-use dphandler_dataplane::model::{IpVersion, ipsets::SetNames};
+use dphandler_dataplane::model::{
+    IfaceName, IpVersion,
+    ipsets::SetNames,
+    wireguard::{WgImpl, WgSettings},
+};
 use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::v1::dataplane_server::DataplaneServer;
@@ -176,6 +183,53 @@ struct ServeArgs {
     /// MTU of vxlan-v6.calico; default: the parent interface's MTU − 70.
     #[arg(long, env = "DPH_VXLAN_MTU_V6", value_parser = clap::value_parser!(u32).range(1280..65536))]
     vxlan_mtu_v6: Option<u32>,
+    /// WireGuard for IPv4 pod traffic between nodes (Felix's
+    /// WireguardEnabled; a ConfigUpdate's `WireguardEnabled` overrides it).
+    #[arg(long, env = "DPH_WIREGUARD", default_value_t = false, action = clap::ArgAction::Set)]
+    wireguard: bool,
+    /// WireGuard for IPv6 (Felix's WireguardEnabledV6).
+    #[arg(long, env = "DPH_WIREGUARD_V6", default_value_t = false, action = clap::ArgAction::Set)]
+    wireguard_v6: bool,
+    /// The IPv4 WireGuard device (Felix's WireguardInterfaceName).
+    #[arg(long, env = "DPH_WIREGUARD_INTERFACE", default_value = "wireguard.cali", value_parser = parse_iface)]
+    wireguard_interface: String,
+    /// The IPv6 WireGuard device (Felix's WireguardInterfaceNameV6).
+    #[arg(long, env = "DPH_WIREGUARD_INTERFACE_V6", default_value = "wg-v6.cali", value_parser = parse_iface)]
+    wireguard_interface_v6: String,
+    /// WireGuard UDP port (Felix's WireguardListeningPort).
+    #[arg(long, env = "DPH_WIREGUARD_PORT", default_value_t = 51820, value_parser = clap::value_parser!(u16).range(1..))]
+    wireguard_port: u16,
+    /// IPv6 WireGuard UDP port (Felix's WireguardListeningPortV6).
+    #[arg(long, env = "DPH_WIREGUARD_PORT_V6", default_value_t = 51821, value_parser = clap::value_parser!(u16).range(1..))]
+    wireguard_port_v6: u16,
+    /// MTU of the IPv4 device; default: the host interface's MTU − 60.
+    #[arg(long, env = "DPH_WIREGUARD_MTU", value_parser = clap::value_parser!(u32).range(68..65536))]
+    wireguard_mtu: Option<u32>,
+    /// MTU of the IPv6 device; default: the host interface's MTU − 80.
+    #[arg(long, env = "DPH_WIREGUARD_MTU_V6", value_parser = clap::value_parser!(u32).range(1280..65536))]
+    wireguard_mtu_v6: Option<u32>,
+    /// Priority of the rule into WireGuard's table (Felix's
+    /// WireguardRoutingRulePriority).
+    #[arg(long, env = "DPH_WIREGUARD_RULE_PRIORITY", default_value_t = 99, value_parser = clap::value_parser!(u32).range(1..32766))]
+    wireguard_rule_priority: u32,
+    /// WireGuard's routing table for IPv4 (Felix takes the first index of
+    /// its RouteTableRanges, 1); every route in it is ours.
+    #[arg(long, env = "DPH_WIREGUARD_TABLE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..253))]
+    wireguard_table: u32,
+    /// WireGuard's routing table for IPv6 (Felix: the next index, 2).
+    #[arg(long, env = "DPH_WIREGUARD_TABLE_V6", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..253))]
+    wireguard_table_v6: u32,
+    /// What carries the devices: the kernel's module, wireguard-go
+    /// (userspace), or auto (the kernel where it has the module).
+    #[arg(long, env = "DPH_WIREGUARD_IMPL", default_value = "auto")]
+    wireguard_impl: WgImpl,
+    /// The wireguard-go to run where the kernel has no WireGuard.
+    #[arg(long, env = "DPH_WIREGUARD_GO", default_value = "wireguard-go")]
+    wireguard_go: PathBuf,
+    /// Where the daemon keeps state across restarts (the WireGuard keys,
+    /// wireguard-go's pid and log); empty: nowhere.
+    #[arg(long, env = "DPH_STATE_DIR", default_value = "/var/lib/dphandler")]
+    state_dir: PathBuf,
     /// Seconds between re-reads of our routes (0: never).
     #[arg(long, env = "DPH_ROUTE_REFRESH_SECONDS", default_value_t = 90.0)]
     route_refresh_seconds: f64,
@@ -207,6 +261,12 @@ struct ServeArgs {
 struct PortList(Vec<(String, u16)>);
 
 /// `tcp:22,udp:68` → [("tcp", 22), ("udp", 68)].
+fn parse_iface(s: &str) -> Result<String, String> {
+    IfaceName::new(s)
+        .map(|n| n.as_str().to_string())
+        .map_err(|e| e.reason)
+}
+
 fn parse_ports(s: &str) -> Result<PortList, String> {
     s.split(',')
         .filter(|x| !x.is_empty())
@@ -390,7 +450,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 workload_prefix: args.workload_iface_prefix.clone(),
                 remove_external_routes: args.remove_external_routes,
                 tunnel_devices: vec![VXLAN_V4.into(), VXLAN_V6.into()],
-                tables: Vec::new(),
+                tables: vec![args.wireguard_table, args.wireguard_table_v6],
             },
             Box::new(RouteNetlink::open().context("opening the routes' netlink socket")?),
         ));
@@ -398,6 +458,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &[VXLAN_V4, VXLAN_V6],
             Box::new(VxlanNetlink::open().context("opening the VXLAN netlink socket")?),
         ));
+        let state_dir = (!args.state_dir.as_os_str().is_empty()).then(|| args.state_dir.clone());
+        kernel.wireguard = Some(Wireguard::new(
+            Box::new(
+                WgNetlink::open(args.wireguard_go.clone(), state_dir.clone())
+                    .context("opening the WireGuard netlink socket")?,
+            ),
+            KeyStore::new(state_dir),
+            args.wireguard_impl,
+        ));
+        kernel.rules = Some(
+            Rules::new(
+                [args.wireguard_table, args.wireguard_table_v6],
+                Box::new(RuleNetlink::open().context("opening the rules' netlink socket")?),
+            )
+            .context("--wireguard-table")?,
+        );
     }
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let node = NodeSettings::new("/proc/sys", args.ip_forwarding, args.ipv6);
@@ -412,6 +488,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
     }
     kernel.others.push(Box::new(node));
+    let wireguard = [
+        WgSettings {
+            enabled: args.wireguard,
+            port: args.wireguard_port,
+            mtu: args.wireguard_mtu,
+            iface: args.wireguard_interface.clone(),
+        },
+        WgSettings {
+            enabled: args.wireguard_v6,
+            port: args.wireguard_port_v6,
+            mtu: args.wireguard_mtu_v6,
+            iface: args.wireguard_interface_v6.clone(),
+        },
+    ];
     let managers: Vec<Box<dyn Manager>> = vec![
         Box::new(
             IpSetsManager::new(args.max_ipset_size)
@@ -429,9 +519,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 device_route_protocol: args.device_route_protocol,
                 vxlan: args.vxlan,
                 vxlan_port: args.vxlan_port,
+                wireguard: wireguard.clone(),
             },
             names.clone(),
         )),
+        Box::new(WireguardManager::new(WireguardConfig {
+            hostname: hostname.clone(),
+            v4: wireguard[0].clone(),
+            v6: wireguard[1].clone(),
+            rule_priority: args.wireguard_rule_priority,
+            table: args.wireguard_table,
+            table_v6: args.wireguard_table_v6,
+            fwmark: Marks::default().wireguard(),
+            device_protocol: args.device_route_protocol,
+            ipv6: args.ipv6,
+        })),
         Box::new(RoutesManager::new(RoutesConfig {
             hostname,
             vxlan: args.vxlan,

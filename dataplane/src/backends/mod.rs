@@ -15,6 +15,7 @@ pub mod routes;
 pub mod rules;
 pub mod sysctl;
 pub mod vxlan;
+pub mod wireguard;
 
 use std::time::Duration;
 
@@ -235,6 +236,8 @@ pub struct DesiredKernel {
     pub tables: Vec<iptables::Table>,
     /// VXLAN devices (before the routes through them).
     pub vxlan: Option<vxlan::Vxlan>,
+    /// WireGuard devices and their peers.
+    pub wireguard: Option<wireguard::Wireguard>,
     /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
     /// ip rules into the routing tables we own (WireGuard's, next).
@@ -256,6 +259,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .map(|b| b.name())
                     .chain(self.tables.iter().map(|b| b.name()))
                     .chain(self.vxlan.iter().map(|b| b.name()))
+                    .chain(self.wireguard.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
                     .chain(self.rules.iter().map(|b| b.name()))
                     .chain(self.sysctls.iter().map(|b| b.name()))
@@ -273,6 +277,7 @@ impl DesiredKernel {
             .map(|b| b as &mut dyn Backend)
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.wireguard.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.rules.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
@@ -287,6 +292,7 @@ impl DesiredKernel {
         self.ipsets.is_empty()
             && self.tables.is_empty()
             && self.vxlan.is_none()
+            && self.wireguard.is_none()
             && self.routes.is_none()
             && self.rules.is_none()
             && self.sysctls.is_none()
@@ -296,6 +302,22 @@ impl DesiredKernel {
     pub fn any_dirty(&mut self) -> bool {
         self.backends_mut()
             .any(|b| b.phases().iter().any(|p| b.is_dirty(*p)))
+    }
+
+    /// What backends announce (WireGuard keys), once each.
+    pub fn take_events(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+        self.wireguard
+            .as_mut()
+            .map(|w| w.take_events())
+            .unwrap_or_default()
+            .into_iter()
+            .map(
+                |(ip_version, public_key)| crate::sync_loop::StatusEvent::WireguardStatus {
+                    ip_version,
+                    public_key,
+                },
+            )
+            .collect()
     }
 
     /// Every backend's status pairs.

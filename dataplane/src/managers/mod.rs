@@ -7,6 +7,7 @@ pub mod endpoints;
 pub mod ipsets;
 pub mod nat;
 pub mod routes;
+pub mod wireguard;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;

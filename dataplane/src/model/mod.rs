@@ -11,6 +11,7 @@ pub mod ipsets;
 pub mod network;
 pub mod policy;
 pub mod routes;
+pub mod wireguard;
 
 use std::fmt;
 use std::net::IpAddr;

@@ -49,6 +49,8 @@ impl RouteKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum RouteClass {
     LocalWorkload,
+    /// WireGuard's own table (routes into the device, throws).
+    Wireguard,
     VxlanSameSubnet,
     VxlanTunnel,
     IpipSameSubnet,
@@ -63,6 +65,9 @@ pub enum RouteKind {
     Unicast,
     /// Dropped silently (`blackhole`); no device.
     Blackhole,
+    /// Ends the lookup in this table: the next rule's table decides
+    /// (`throw`); no device.
+    Throw,
 }
 
 /// Where a route sends its packets.

@@ -41,6 +41,24 @@ impl Default for Marks {
     }
 }
 
+impl Marks {
+    /// Felix's mark mask.
+    pub const MASK: u32 = 0xffff_0000;
+    /// The bit Felix gives Felix's drop mark (between pass and scratch0):
+    /// never handed out again here.
+    const DROP: u32 = 0x4_0000;
+
+    /// The WireGuard mark: the lowest bit of the mask after the bits
+    /// allocated before it (accept, pass, drop, scratch0, scratch1), as
+    /// Felix derives it (`driver.go`); 0x200000 with the defaults.
+    pub fn wireguard(&self) -> u32 {
+        let used = self.accept | self.pass | Self::DROP | self.scratch0 | self.scratch1;
+        let highest = 1u32 << (31 - used.leading_zeros());
+        let free = Self::MASK & !used & !(highest - 1) & !highest;
+        free & free.wrapping_neg()
+    }
+}
+
 fn mark(m: u32) -> String {
     format!("{m:#x}/{m:#x}")
 }

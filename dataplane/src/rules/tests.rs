@@ -303,3 +303,8 @@ fn rules_naming_missing_sets_match_as_if_the_set_were_empty() {
     let out = text(&r.rule(&mixed).unwrap()).join("\n");
     assert!(out.contains("n:here") && !out.contains("n:gone"), "{out}");
 }
+
+#[test]
+fn the_wireguard_mark_is_felixs() {
+    assert_eq!(Marks::default().wireguard(), 0x20_0000);
+}

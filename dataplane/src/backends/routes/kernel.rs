@@ -14,6 +14,7 @@ use crate::model::routes::{MAIN_TABLE, RouteKey, RouteKind, RouteScope, RouteTar
 /// write.
 pub const RTN_UNICAST: u8 = 1;
 pub const RTN_BLACKHOLE: u8 = 6;
+pub const RTN_THROW: u8 = 9;
 pub const RT_SCOPE_UNIVERSE: u8 = 0;
 pub const RT_SCOPE_LINK: u8 = 253;
 
@@ -46,6 +47,7 @@ pub fn kernel_route(key: RouteKey, t: &RouteTarget, oif: Option<u32>) -> KernelR
         kind: match t.kind {
             RouteKind::Unicast => RTN_UNICAST,
             RouteKind::Blackhole => RTN_BLACKHOLE,
+            RouteKind::Throw => RTN_THROW,
         },
         oif,
         gateway: t.gateway,
@@ -124,7 +126,7 @@ pub struct RouteOwnership {
     /// ours.
     pub tunnel_devices: Vec<String>,
     /// Routing tables besides main that are ours, every route in them
-    /// (WireGuard's, next).
+    /// (WireGuard's).
     pub tables: Vec<u32>,
 }
 

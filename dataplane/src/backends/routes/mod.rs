@@ -60,6 +60,8 @@ pub enum RouteSource {
     /// Routes to other nodes' blocks, blackholes, VTEP neighbours (routes
     /// manager).
     Cluster,
+    /// WireGuard's tables (WireGuard manager).
+    Wireguard,
 }
 
 #[derive(Debug, Default)]

@@ -111,21 +111,31 @@ fn is_link_local(n: &IpNet) -> bool {
 
 /// What a device lacks: ops to run on the existing link `have`.
 pub fn fix_in_place(want: &VxlanDevice, have: &ObservedLink) -> Vec<VxlanOp> {
+    link_fixes(
+        have,
+        want.mtu,
+        Some(IpNet::from(want.addr)),
+        want.addr.is_ipv4(),
+    )
+}
+
+/// What a device link of ours needs, whatever its kind (VXLAN,
+/// WireGuard): its MTU, its one address of a family (the family's others
+/// removed, not IPv6 link-local ones), up.
+pub fn link_fixes(have: &ObservedLink, mtu: u32, addr: Option<IpNet>, ipv4: bool) -> Vec<VxlanOp> {
     let index = have.index;
     let mut ops = Vec::new();
-    if have.mtu != Some(want.mtu) {
-        ops.push(VxlanOp::SetMtu {
-            index,
-            mtu: want.mtu,
-        });
+    if have.mtu != Some(mtu) {
+        ops.push(VxlanOp::SetMtu { index, mtu });
     }
-    let addr = IpNet::from(want.addr);
-    if !have.addrs.contains(&addr) {
+    if let Some(addr) = addr
+        && !have.addrs.contains(&addr)
+    {
         ops.push(VxlanOp::AddAddr { index, addr });
     }
     for a in &have.addrs {
-        let same_family = a.addr().is_ipv4() == want.addr.is_ipv4();
-        if *a != addr && same_family && !is_link_local(a) {
+        let same_family = a.addr().is_ipv4() == ipv4;
+        if Some(*a) != addr && same_family && !is_link_local(a) {
             ops.push(VxlanOp::DelAddr { index, addr: *a });
         }
     }

@@ -420,6 +420,7 @@ impl EndpointsManager {
         // VXLAN to this host only from the nodes we know (Felix's
         // all-vxlan-net rules): a forged VXLAN packet from elsewhere on the
         // underlay cannot inject traffic into the pod network.
+        let mut vxlan_out = None;
         if self.cfg.vxlan.on(&self.encap, v, true) {
             let port = self.cfg.vxlan_port.to_string();
             let sources = self
@@ -432,6 +433,30 @@ impl EndpointsManager {
                 &[&vxlan[..], &from_known, &local, &["-j", "ACCEPT"]].concat(),
             )?);
             input.push(rule(&[&vxlan[..], &local, &["-j", "DROP"]].concat())?);
+            // And from this host to those nodes, whatever host-endpoint
+            // policy says (Felix: "Allow VXLAN packets to other allowed
+            // hosts").
+            let to_known = ["-m", "set", "--match-set", sources.as_str(), "dst"];
+            let from_here = ["-m", "addrtype", "--src-type", "LOCAL"];
+            vxlan_out = Some(rule(
+                &[&vxlan[..], &to_known, &from_here, &["-j", "ACCEPT"]].concat(),
+            )?);
+        }
+        // WireGuard to and from this host, whatever host-endpoint policy
+        // says (Felix's FilterInputChainAllowWG and its output twin): the
+        // peers and allowed IPs are the filter.
+        let wg = self.wireguard_port(v).map(|p| p.to_string());
+        let wg_udp = wg
+            .as_ref()
+            .map(|p| ["-p", "udp", "-m", "udp", "--dport", p.as_str()]);
+        if let Some(udp) = &wg_udp {
+            input.push(rule(
+                &[
+                    &udp[..],
+                    &["-m", "addrtype", "--dst-type", "LOCAL", "-j", "ACCEPT"],
+                ]
+                .concat(),
+            )?);
         }
         input.extend([
             rule(&["-i", &wl, "-j", &from])?,
@@ -452,6 +477,16 @@ impl EndpointsManager {
         let mut output = Vec::new();
         if active {
             output.push(already()?);
+        }
+        output.extend(vxlan_out);
+        if let Some(udp) = &wg_udp {
+            output.push(rule(
+                &[
+                    &udp[..],
+                    &["-m", "addrtype", "--src-type", "LOCAL", "-j", "ACCEPT"],
+                ]
+                .concat(),
+            )?);
         }
         output.push(rule(&["-o", &wl, "-j", "RETURN"])?);
         output.push(rule(&["-j", "MARK", "--set-xmark", &clear(all)])?);

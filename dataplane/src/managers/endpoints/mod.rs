@@ -87,6 +87,10 @@ pub struct EndpointsConfig {
     /// set (Felix's `all-vxlan-net` rules in `cali-INPUT`).
     pub vxlan: crate::model::routes::VxlanMode,
     pub vxlan_port: u16,
+    /// WireGuard as the flags say (v4, v6): while it is on, its UDP port
+    /// to and from this host is accepted ahead of host-endpoint policy
+    /// (Felix's "Allow incoming/outgoing Wireguard packets").
+    pub wireguard: [crate::model::wireguard::WgSettings; 2],
 }
 
 /// (protocol, port) pairs.
@@ -187,6 +191,8 @@ pub struct EndpointsManager {
     warned: BTreeSet<HostEndpointId>,
     /// The calc graph's encapsulation (whether VXLAN is on).
     encap: crate::model::Encapsulation,
+    /// The WireGuard keys of the last ConfigUpdate.
+    wg_config: std::collections::BTreeMap<String, String>,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -238,6 +244,13 @@ fn names_any(rules: [&[crate::model::Rule]; 2], sets: &BTreeSet<Id>) -> bool {
 }
 
 impl EndpointsManager {
+    /// WireGuard's UDP port for version `v` while WireGuard is on.
+    fn wireguard_port(&self, v: IpVersion) -> Option<u16> {
+        let i = usize::from(v == IpVersion::V6);
+        let s = self.cfg.wireguard[i].effective(v, &self.wg_config);
+        s.enabled.then_some(s.port)
+    }
+
     pub fn new(cfg: EndpointsConfig, sets: SetNames) -> Self {
         let chains = ChainNames::new(&cfg.prefix);
         Self {
@@ -262,6 +275,7 @@ impl EndpointsManager {
             reported: BTreeMap::new(),
             reported_hosts: BTreeMap::new(),
             encap: crate::model::Encapsulation::default(),
+            wg_config: std::collections::BTreeMap::new(),
             owned: HashMap::new(),
             warned: BTreeSet::new(),
         }
@@ -476,6 +490,15 @@ impl Manager for EndpointsManager {
                 // VXLAN on or off: the INPUT rules that guard it.
                 if *e != self.encap {
                     self.encap = *e;
+                    self.dirty.statics = true;
+                }
+            }
+            Update::Config(kv) => {
+                // WireGuard on or off, or its port: the rules that let it
+                // through.
+                let wg = crate::model::wireguard::config_keys(kv);
+                if wg != self.wg_config {
+                    self.wg_config = wg;
                     self.dirty.statics = true;
                 }
             }

@@ -1,6 +1,7 @@
 //! Golden chains for representative endpoints.
 
 use super::*;
+use crate::model::wireguard::WgSettings;
 use crate::model::{Action, IfaceName, TierDefault, TierInfo};
 
 fn mgr() -> EndpointsManager {
@@ -14,6 +15,10 @@ fn mgr() -> EndpointsManager {
             device_route_protocol: 3,
             vxlan: crate::model::routes::VxlanMode::Auto,
             vxlan_port: 4789,
+            wireguard: [
+                WgSettings::default_for(IpVersion::V4),
+                WgSettings::default_for(IpVersion::V6),
+            ],
         },
         SetNames::new("dph").unwrap(),
     )
@@ -692,6 +697,12 @@ fn vxlan_to_this_host_only_from_known_nodes() {
             "-i cali+ -j dph-from-wl-dispatch",
         ]
     );
+    // From this host to the known nodes, ahead of host-endpoint policy.
+    assert!(
+        v4["dph-OUTPUT"].contains(&"-p udp -m udp --dport 4789 -m set --match-set dph40all-vxlan-net dst -m addrtype --src-type LOCAL -j ACCEPT".to_string()),
+        "{:?}",
+        v4["dph-OUTPUT"]
+    );
     // VXLAN on for IPv4 only: nothing of it in IPv6; off: nothing at all.
     let v6 = filter(IpVersion::V6, on);
     assert!(!v6.values().flatten().any(|r| r.contains("4789")));
@@ -710,6 +721,53 @@ fn vxlan_to_this_host_only_from_known_nodes() {
             .any(|r| r.contains("--match-set dph60all-vxlan-net src")),
         "{:?}",
         v6_on["dph-INPUT"]
+    );
+}
+
+#[test]
+fn wireguard_to_and_from_this_host_whatever_host_policy_says() {
+    let filter = |v, config: &[(&str, &str)]| {
+        let mut m = mgr();
+        m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));
+        m.on_update(&Update::Config(
+            config
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ));
+        run(&mut m, &mut kernel(v), "filter")
+    };
+    let off = filter(IpVersion::V4, &[]);
+    assert!(!off.values().flatten().any(|r| r.contains("51820")));
+    let on = filter(
+        IpVersion::V4,
+        &[
+            ("WireguardEnabled", "true"),
+            ("WireguardListeningPort", "51999"),
+        ],
+    );
+    // Felix's "Allow incoming/outgoing IPv4 Wireguard packets".
+    assert_eq!(
+        on["dph-INPUT"][0],
+        "-p udp -m udp --dport 51999 -m addrtype --dst-type LOCAL -j ACCEPT"
+    );
+    assert!(
+        on["dph-OUTPUT"].contains(
+            &"-p udp -m udp --dport 51999 -m addrtype --src-type LOCAL -j ACCEPT".to_string()
+        ),
+        "{:?}",
+        on["dph-OUTPUT"]
+    );
+    // On for IPv4 only: nothing of it in IPv6; IPv6 has its own port.
+    let v6 = filter(IpVersion::V6, &[("WireguardEnabled", "true")]);
+    assert!(!v6.values().flatten().any(|r| r.contains("5182")));
+    let v6 = filter(IpVersion::V6, &[("WireguardEnabledV6", "true")]);
+    assert!(
+        v6["dph-INPUT"].contains(
+            &"-p udp -m udp --dport 51821 -m addrtype --dst-type LOCAL -j ACCEPT".to_string()
+        ),
+        "{:?}",
+        v6["dph-INPUT"]
     );
 }
 

@@ -149,6 +149,7 @@ fn class_name(c: RouteClass) -> &'static str {
         RouteClass::IpipTunnel => "ipip",
         RouteClass::IpipSameSubnet => "ipip_same_subnet",
         RouteClass::LocalWorkload => "workload",
+        RouteClass::Wireguard => "wireguard",
     }
 }
 

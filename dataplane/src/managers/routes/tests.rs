@@ -129,6 +129,7 @@ fn routes(k: &DesiredKernel) -> Vec<String> {
             assert_eq!(key.table, MAIN_TABLE);
             let mut s = match t.kind {
                 RouteKind::Blackhole => format!("blackhole {}", key.dst),
+                RouteKind::Throw => format!("throw {}", key.dst),
                 RouteKind::Unicast => key.dst.to_string(),
             };
             if let Some(g) = t.gateway {

@@ -1,0 +1,589 @@
+//! WireGuard between nodes (Felix's `wireguard_mgr.go` and the routing
+//! half of `felix/wireguard/wireguard.go`): per IP version, the device
+//! (name, port, fwmark, MTU, this node's WireGuard address), one peer per
+//! other node that has an endpoint (`HostMetadataUpdate`) and a key
+//! (`WireguardEndpointUpdate` / `…V6Update`) no other node claims, with
+//! that node's workload blocks and tunnel addresses (`RouteUpdate`s) as
+//! allowed IPs; the routing table (1, v6: 2) with `<cidr> dev <device>` for
+//! each programmed peer's CIDRs and `throw <cidr>` for the others' and for
+//! this node's own; and the rule `not fwmark M/M lookup <table>` (priority
+//! 99), which sends everything but WireGuard's own packets (which carry
+//! the mark) through that table. Off: no device, no routes, no rule.
+//!
+//! Enabled by `--wireguard` / `--wireguard-v6` or a `ConfigUpdate`
+//! (`WireguardEnabled`, `WireguardEnabledV6`, `WireguardListeningPort[V6]`,
+//! `WireguardMTU[V6]`, `WireguardRoutingRulePriority`,
+//! `WireguardInterfaceName[V6]`); a key present in the last
+//! `ConfigUpdate` wins over the flag. No I/O: everything is queued into
+//! the WireGuard, routes and rules backends.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
+use tracing::info;
+
+use super::{Manager, ManagerError};
+use crate::backends::DesiredKernel;
+use crate::backends::routes::RouteSource;
+use crate::interfaces::InterfaceEvent;
+use crate::model::routes::{IpRule, RouteClass, RouteKey, RouteKind, RouteTarget};
+use crate::model::wireguard::{
+    OVERHEAD_V4, OVERHEAD_V6, PublicKey, RULE_PRIORITY, TABLE_V4, TABLE_V6, WgDevice, WgPeer,
+    WgSettings, check_config, config_keys,
+};
+use crate::model::{HostMetadata, Id, IpVersion, Key, Update, ValidationError, WireguardEndpoint};
+
+/// `RouteType` bits that make a CIDR part of a node's WireGuard share
+/// (workloads and tunnel addresses, local and remote; `REMOTE_HOST` only
+/// with host encryption, which we do not do).
+const WORKLOAD_OR_TUNNEL: u32 = 1 | 4 | 16 | 32;
+/// The MTU assumed for the host when its interface is not known yet
+/// (Felix's default).
+const DEFAULT_HOST_MTU: u32 = 1500;
+
+/// What the flags say (a `ConfigUpdate` may override each).
+#[derive(Debug, Clone)]
+pub struct WireguardConfig {
+    pub hostname: String,
+    pub v4: WgSettings,
+    pub v6: WgSettings,
+    pub rule_priority: u32,
+    pub table: u32,
+    pub table_v6: u32,
+    pub fwmark: u32,
+    /// Protocol of the routes into the device.
+    pub device_protocol: u8,
+    pub ipv6: bool,
+}
+
+impl Default for WireguardConfig {
+    fn default() -> Self {
+        Self {
+            hostname: String::new(),
+            v4: WgSettings::default_for(IpVersion::V4),
+            v6: WgSettings::default_for(IpVersion::V6),
+            rule_priority: RULE_PRIORITY,
+            table: TABLE_V4,
+            table_v6: TABLE_V6,
+            fwmark: 0x20_0000,
+            device_protocol: 3,
+            ipv6: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct LinkInfo {
+    name: String,
+    mtu: u32,
+    addrs: BTreeSet<IpNet>,
+}
+
+#[derive(Debug)]
+pub struct WireguardManager {
+    cfg: WireguardConfig,
+    config: BTreeMap<String, String>,
+    hosts: BTreeMap<Id, HostMetadata>,
+    endpoints: [BTreeMap<Id, WireguardEndpoint>; 2],
+    /// CIDRs that are part of a node's share, by destination.
+    routes: BTreeMap<IpNet, Id>,
+    links: BTreeMap<u32, LinkInfo>,
+    /// Link events on our devices, for the backend.
+    device_events: BTreeSet<String>,
+    dirty: bool,
+    /// Our own public keys as the backend last announced them.
+    own_keys: [Option<String>; 2],
+    /// Why a node is not a peer, per version.
+    not_programmed: [BTreeMap<String, String>; 2],
+    summary: [BTreeMap<&'static str, String>; 2],
+}
+
+fn idx(v: IpVersion) -> usize {
+    match v {
+        IpVersion::V4 => 0,
+        IpVersion::V6 => 1,
+    }
+}
+
+fn version_of(n: &IpNet) -> IpVersion {
+    match n {
+        IpNet::V4(_) => IpVersion::V4,
+        IpNet::V6(_) => IpVersion::V6,
+    }
+}
+
+fn label(v: IpVersion) -> &'static str {
+    match v {
+        IpVersion::V4 => "v4",
+        IpVersion::V6 => "v6",
+    }
+}
+
+impl WireguardManager {
+    pub fn new(cfg: WireguardConfig) -> Self {
+        Self {
+            cfg,
+            config: BTreeMap::new(),
+            hosts: BTreeMap::new(),
+            endpoints: [BTreeMap::new(), BTreeMap::new()],
+            routes: BTreeMap::new(),
+            links: BTreeMap::new(),
+            device_events: BTreeSet::new(),
+            dirty: true,
+            own_keys: [None, None],
+            not_programmed: [BTreeMap::new(), BTreeMap::new()],
+            summary: [BTreeMap::new(), BTreeMap::new()],
+        }
+    }
+
+    fn hostname(&self) -> &str {
+        self.config
+            .get("FelixHostname")
+            .filter(|h| !h.is_empty())
+            .unwrap_or(&self.cfg.hostname)
+    }
+
+    fn settings(&self, v: IpVersion) -> WgSettings {
+        let mut s = match v {
+            IpVersion::V4 => &self.cfg.v4,
+            IpVersion::V6 => &self.cfg.v6,
+        }
+        .effective(v, &self.config);
+        s.enabled &= v == IpVersion::V4 || self.cfg.ipv6;
+        s
+    }
+
+    fn table(&self, v: IpVersion) -> u32 {
+        match v {
+            IpVersion::V4 => self.cfg.table,
+            IpVersion::V6 => self.cfg.table_v6,
+        }
+    }
+
+    fn rule_priority(&self) -> u32 {
+        self.config
+            .get("WireguardRoutingRulePriority")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(self.cfg.rule_priority)
+    }
+
+    /// The MTU of the interface that holds this node's address.
+    fn host_mtu(&self) -> Option<u32> {
+        let h = self.hosts.get(self.hostname())?;
+        let ips: Vec<IpAddr> = h
+            .ipv4_addr
+            .iter()
+            .chain(h.ipv6_addr.iter())
+            .copied()
+            .collect();
+        self.links
+            .values()
+            .find(|l| l.addrs.iter().any(|a| ips.contains(&a.addr())))
+            .map(|l| l.mtu)
+            .filter(|m| *m > 0)
+    }
+
+    /// Works out one version's device, table and rule.
+    fn desired(
+        &mut self,
+        v: IpVersion,
+        s: &WgSettings,
+    ) -> (WgDevice, BTreeMap<RouteKey, RouteTarget>, IpRule) {
+        let i = idx(v);
+        let own = self.hostname().to_string();
+        let endpoints = &self.endpoints[i];
+        let own_key = self.own_keys[i].clone();
+        // Who claims which key.
+        let mut claims: BTreeMap<[u8; 32], Vec<&str>> = BTreeMap::new();
+        for (node, e) in endpoints {
+            if let Some(k) = e.public_key.filter(|k| *k != [0; 32])
+                && node.as_str() != own
+            {
+                claims.entry(k).or_default().push(node.as_str());
+            }
+        }
+        let mut not_programmed = BTreeMap::new();
+        let mut peers: BTreeMap<Id, (PublicKey, SocketAddr)> = BTreeMap::new();
+        let mut nodes: BTreeSet<&Id> = endpoints.keys().collect();
+        nodes.extend(self.routes.values());
+        for node in nodes {
+            if node.as_str() == own {
+                continue;
+            }
+            let key = endpoints
+                .get(node)
+                .and_then(|e| e.public_key)
+                .filter(|k| *k != [0; 32]);
+            let addr = self.hosts.get(node).and_then(|h| match v {
+                IpVersion::V4 => h.ipv4_addr,
+                IpVersion::V6 => h.ipv6_addr,
+            });
+            let why = match (key, addr) {
+                (None, _) => Some("no WireGuard key".to_string()),
+                (_, None) => Some(format!("no {} endpoint address", label(v))),
+                (Some(k), Some(_)) => {
+                    let others: Vec<&str> = claims[&k]
+                        .iter()
+                        .copied()
+                        .filter(|n| *n != node.as_str())
+                        .collect();
+                    let b64 = PublicKey(k).to_base64();
+                    if !others.is_empty() {
+                        Some(format!("key {b64} also claimed by {}", others.join(", ")))
+                    } else if own_key.as_deref() == Some(b64.as_str()) {
+                        Some(format!("key {b64} is this node's own"))
+                    } else {
+                        None
+                    }
+                }
+            };
+            match why {
+                Some(w) => {
+                    not_programmed.insert(node.to_string(), w);
+                }
+                None => {
+                    let (Some(k), Some(a)) = (key, addr) else {
+                        continue;
+                    };
+                    peers.insert(node.clone(), (PublicKey(k), SocketAddr::new(a, s.port)));
+                }
+            }
+        }
+        // Allowed IPs and the table.
+        let mut allowed: BTreeMap<&Id, BTreeSet<IpNet>> = BTreeMap::new();
+        let mut table = BTreeMap::new();
+        let local_blocks: Vec<IpNet> = self
+            .routes
+            .iter()
+            .filter(|(d, n)| n.as_str() == own && d.prefix_len() < d.max_prefix_len())
+            .map(|(d, _)| *d)
+            .collect();
+        let throw = |protocol| RouteTarget {
+            class: RouteClass::Wireguard,
+            kind: RouteKind::Throw,
+            dev: None,
+            gateway: None,
+            onlink: false,
+            protocol,
+            mtu: None,
+        };
+        for (dst, node) in &self.routes {
+            if version_of(dst) != v {
+                continue;
+            }
+            let key = RouteKey::new(self.table(v), *dst, 0);
+            if node.as_str() == own {
+                // Local blocks go back to the main table; a workload's own
+                // address inside one of them needs no route of its own.
+                let covered = dst.prefix_len() == dst.max_prefix_len()
+                    && local_blocks.iter().any(|b| b.contains(dst));
+                if !covered {
+                    table.insert(key, throw(self.cfg.device_protocol));
+                }
+            } else if peers.contains_key(node) {
+                allowed.entry(node).or_default().insert(*dst);
+                table.insert(
+                    key,
+                    RouteTarget {
+                        class: RouteClass::Wireguard,
+                        kind: RouteKind::Unicast,
+                        dev: Some(s.iface.clone()),
+                        gateway: None,
+                        onlink: false,
+                        protocol: self.cfg.device_protocol,
+                        mtu: None,
+                    },
+                );
+            } else {
+                table.insert(key, throw(self.cfg.device_protocol));
+            }
+        }
+        let peers: BTreeMap<PublicKey, WgPeer> = peers
+            .iter()
+            .map(|(node, (k, ep))| {
+                (
+                    *k,
+                    WgPeer {
+                        node: node.to_string(),
+                        endpoint: *ep,
+                        allowed_ips: allowed.remove(node).unwrap_or_default(),
+                    },
+                )
+            })
+            .collect();
+        let (overhead, host) = match v {
+            IpVersion::V4 => (OVERHEAD_V4, self.host_mtu()),
+            IpVersion::V6 => (OVERHEAD_V6, self.host_mtu()),
+        };
+        let mtu = s
+            .mtu
+            .unwrap_or_else(|| host.unwrap_or(DEFAULT_HOST_MTU) - overhead);
+        let addr = self.endpoints[i]
+            .get(own.as_str())
+            .and_then(|e| e.interface_addr)
+            .filter(|a| IpVersion::of(a) == v);
+        let table_index = self.table(v);
+        let summary = &mut self.summary[i];
+        summary.clear();
+        summary.insert(
+            "mtu",
+            match (s.mtu, host) {
+                (Some(m), _) => format!("{m} (configured)"),
+                (None, Some(h)) => format!("{mtu} (host interface {h} - {overhead})"),
+                (None, None) => {
+                    format!("{mtu} (host interface not known yet: {DEFAULT_HOST_MTU} - {overhead})")
+                }
+            },
+        );
+        summary.insert(
+            "address",
+            addr.map_or_else(
+                || "none yet (no WireguardEndpointUpdate for this node)".into(),
+                |a| a.to_string(),
+            ),
+        );
+        summary.insert("table", format!("{table_index} ({} routes)", table.len()));
+        self.not_programmed[i] = not_programmed;
+        let rule = IpRule {
+            v6: v == IpVersion::V6,
+            priority: self.rule_priority(),
+            fwmark: Some((self.cfg.fwmark, self.cfg.fwmark)),
+            invert: true,
+            src: None,
+            table: self.table(v),
+        };
+        (
+            WgDevice {
+                version: v,
+                name: s.iface.clone(),
+                port: s.port,
+                fwmark: self.cfg.fwmark,
+                mtu,
+                addr,
+                peers,
+            },
+            table,
+            rule,
+        )
+    }
+
+    fn is_device(&self, name: &str) -> bool {
+        [IpVersion::V4, IpVersion::V6]
+            .iter()
+            .any(|v| self.settings(*v).iface == name)
+            || name == self.cfg.v4.iface
+            || name == self.cfg.v6.iface
+    }
+}
+
+impl Manager for WireguardManager {
+    fn name(&self) -> &'static str {
+        "wireguard"
+    }
+
+    fn check(&self, update: &Update) -> Result<(), ValidationError> {
+        match update {
+            Update::Config(kv) => check_config(kv).map_err(|(k, reason)| {
+                ValidationError::new(format!("config_update.config[{k}]"), reason)
+            }),
+            Update::WireguardEndpoint(e) | Update::WireguardEndpointV6(e) => {
+                let (v, field, msg) = match update {
+                    Update::WireguardEndpoint(_) => (
+                        IpVersion::V4,
+                        "interface_ipv4_addr",
+                        "wireguard_endpoint_update",
+                    ),
+                    _ => (
+                        IpVersion::V6,
+                        "interface_ipv6_addr",
+                        "wireguard_endpoint_v6_update",
+                    ),
+                };
+                match e.interface_addr {
+                    Some(a) if IpVersion::of(&a) != v => Err(ValidationError::new(
+                        format!("{msg}.{field}"),
+                        format!("{a} is not an IP{} address", label(v)),
+                    )),
+                    _ => Ok(()),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn on_update(&mut self, update: &Update) {
+        match update {
+            Update::Config(kv) => {
+                let mut ours = config_keys(kv);
+                if let Some((_, h)) = kv.iter().find(|(k, _)| k == "FelixHostname") {
+                    ours.insert("FelixHostname".into(), h.clone());
+                }
+                if ours != self.config {
+                    info!(config = ?ours, "WireGuard config from ConfigUpdate");
+                    self.config = ours;
+                }
+            }
+            Update::HostMetadata(h) => {
+                self.hosts.insert(h.hostname.clone(), h.clone());
+            }
+            Update::Remove(Key::HostMetadata(h)) => {
+                self.hosts.remove(h);
+            }
+            Update::WireguardEndpoint(e) => {
+                self.endpoints[0].insert(e.hostname.clone(), e.clone());
+            }
+            Update::WireguardEndpointV6(e) => {
+                self.endpoints[1].insert(e.hostname.clone(), e.clone());
+            }
+            Update::Remove(Key::WireguardEndpoint(h)) => {
+                self.endpoints[0].remove(h);
+            }
+            Update::Remove(Key::WireguardEndpointV6(h)) => {
+                self.endpoints[1].remove(h);
+            }
+            Update::Route(r) => {
+                let node = r
+                    .dst_node_name
+                    .clone()
+                    .filter(|_| r.types & WORKLOAD_OR_TUNNEL != 0);
+                let changed = match node {
+                    Some(n) => self.routes.insert(r.dst, n.clone()).as_ref() != Some(&n),
+                    None => self.routes.remove(&r.dst).is_some(),
+                };
+                if !changed {
+                    return; // nothing of a node's share changed
+                }
+            }
+            Update::Remove(Key::Route(dst)) => {
+                if self.routes.remove(dst).is_none() {
+                    return;
+                }
+            }
+            _ => return,
+        }
+        self.dirty = true;
+    }
+
+    fn on_interface(&mut self, event: &InterfaceEvent) {
+        match event {
+            InterfaceEvent::Link {
+                index, name, mtu, ..
+            } => {
+                let l = self.links.entry(*index).or_default();
+                let changed = l.mtu != *mtu;
+                l.name = name.clone();
+                l.mtu = *mtu;
+                if self.is_device(name) {
+                    self.device_events.insert(name.clone());
+                } else if changed {
+                    self.dirty = true;
+                }
+            }
+            InterfaceEvent::LinkRemoved { index, name } => {
+                self.links.remove(index);
+                if self.is_device(name) {
+                    self.device_events.insert(name.clone());
+                }
+            }
+            InterfaceEvent::AddrAdded { index, addr } => {
+                if let Some(l) = self.links.get_mut(index)
+                    && l.addrs.insert(*addr)
+                {
+                    self.dirty = true;
+                }
+            }
+            InterfaceEvent::AddrRemoved { index, addr } => {
+                if let Some(l) = self.links.get_mut(index)
+                    && l.addrs.remove(addr)
+                {
+                    self.dirty = true;
+                }
+            }
+            InterfaceEvent::InSync => {}
+        }
+    }
+
+    fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        let Some(wg) = &mut kernel.wireguard else {
+            return Ok(());
+        };
+        for name in std::mem::take(&mut self.device_events) {
+            wg.link_changed(&name);
+        }
+        // Our own key decides whether another node's is a duplicate.
+        for v in [IpVersion::V4, IpVersion::V6] {
+            let k = wg.public_key(v).map(str::to_string);
+            if k != self.own_keys[idx(v)] {
+                self.own_keys[idx(v)] = k;
+                self.dirty = true;
+            }
+        }
+        if !self.dirty {
+            return Ok(());
+        }
+        self.dirty = false;
+        let mut table = BTreeMap::new();
+        let mut rules = BTreeSet::new();
+        for v in [IpVersion::V4, IpVersion::V6] {
+            if v == IpVersion::V6 && !self.cfg.ipv6 {
+                continue;
+            }
+            let s = self.settings(v);
+            if s.enabled {
+                let (dev, routes, rule) = self.desired(v, &s);
+                table.extend(routes);
+                rules.insert(rule);
+                kernel
+                    .wireguard
+                    .as_mut()
+                    .expect("checked above")
+                    .set(v, &s.iface, Some(dev));
+            } else {
+                self.summary[idx(v)].clear();
+                self.not_programmed[idx(v)].clear();
+                kernel
+                    .wireguard
+                    .as_mut()
+                    .expect("checked above")
+                    .set(v, &s.iface, None);
+            }
+        }
+        if let Some(r) = &mut kernel.routes {
+            r.set(RouteSource::Wireguard, table, BTreeSet::new());
+        }
+        if let Some(r) = &mut kernel.rules {
+            r.set(rules);
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for v in [IpVersion::V4, IpVersion::V6] {
+            let i = idx(v);
+            let p = format!("wireguard.{}", label(v));
+            let s = self.settings(v);
+            if !s.enabled {
+                continue;
+            }
+            for (k, val) in &self.summary[i] {
+                out.push((format!("{p}.{k}"), val.clone()));
+            }
+            for (node, why) in self.not_programmed[i].iter().take(20) {
+                out.push((format!("{p}.not_a_peer.{node}"), why.clone()));
+            }
+            if self.not_programmed[i].len() > 20 {
+                out.push((
+                    format!("{p}.not_a_peer.more"),
+                    (self.not_programmed[i].len() - 20).to_string(),
+                ));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+#[path = "wireguard_tests.rs"]
+mod tests;

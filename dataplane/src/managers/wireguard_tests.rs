@@ -1,0 +1,404 @@
+use super::*;
+use crate::backends::Backend;
+use crate::backends::routes::{RouteOwnership, RouteSeam, Routes};
+use crate::backends::wireguard::fake::{Seam, fake};
+use crate::backends::wireguard::keys::KeyStore;
+use crate::backends::wireguard::{Wireguard, public_key};
+use crate::model::Route;
+use crate::model::wireguard::WgImpl;
+
+#[derive(Debug)]
+struct NoKernel;
+impl RouteSeam for NoKernel {
+    fn links(
+        &mut self,
+    ) -> Result<Vec<crate::backends::routes::Link>, crate::backends::BackendError> {
+        Ok(vec![])
+    }
+    fn routes(
+        &mut self,
+    ) -> Result<Vec<crate::backends::routes::KernelRoute>, crate::backends::BackendError> {
+        Ok(vec![])
+    }
+    fn neighbours(
+        &mut self,
+    ) -> Result<
+        (
+            Vec<crate::backends::routes::KernelNeighbour>,
+            Vec<crate::backends::routes::KernelFdb>,
+        ),
+        crate::backends::BackendError,
+    > {
+        Ok((vec![], vec![]))
+    }
+    fn write(
+        &mut self,
+        _ops: &[crate::backends::routes::RouteOp],
+    ) -> Vec<(usize, crate::backends::BackendError)> {
+        vec![]
+    }
+}
+
+fn kernel() -> DesiredKernel {
+    DesiredKernel {
+        wireguard: Some(Wireguard::new(
+            Box::new(Seam(fake(true, true))),
+            KeyStore::new(None),
+            WgImpl::Auto,
+        )),
+        routes: Some(Routes::new(
+            RouteOwnership {
+                exclusive_protocol: 80,
+                device_protocol: 3,
+                workload_prefix: "cali".into(),
+                remove_external_routes: true,
+                tunnel_devices: vec![],
+                tables: vec![1, 2],
+            },
+            Box::new(NoKernel),
+        )),
+        ..DesiredKernel::default()
+    }
+}
+
+fn id(s: &str) -> Id {
+    Id::new(s).unwrap()
+}
+
+fn host(name: &str, v4: &str) -> Update {
+    Update::HostMetadata(HostMetadata {
+        hostname: id(name),
+        ipv4_addr: Some(v4.parse().unwrap()),
+        ipv6_addr: None,
+        asnumber: None,
+        labels: vec![],
+    })
+}
+
+fn wg(name: &str, key: u8, addr: &str) -> Update {
+    Update::WireguardEndpoint(WireguardEndpoint {
+        hostname: id(name),
+        public_key: (key != 0).then_some([key; 32]),
+        interface_addr: Some(addr.parse().unwrap()),
+    })
+}
+
+fn route(dst: &str, node: &str, types: u32) -> Update {
+    Update::Route(Route {
+        types,
+        ip_pool_type: 2,
+        dst: dst.parse().unwrap(),
+        dst_node_name: Some(id(node)),
+        dst_node_ip: None,
+        same_subnet: false,
+        nat_outgoing: false,
+        local_workload: false,
+        ipip: false,
+        vxlan: true,
+        wireguard: false,
+        borrowed: false,
+    })
+}
+
+fn manager(enabled: bool) -> WireguardManager {
+    let mut cfg = WireguardConfig {
+        hostname: "node-a".into(),
+        ..WireguardConfig::default()
+    };
+    cfg.v4.enabled = enabled;
+    WireguardManager::new(cfg)
+}
+
+fn cluster(m: &mut WireguardManager) {
+    for u in [
+        host("node-a", "192.168.0.1"),
+        host("node-b", "192.168.0.2"),
+        host("node-c", "192.168.0.3"),
+        wg("node-a", 1, "10.65.0.1"),
+        wg("node-b", 2, "10.65.1.1"),
+        wg("node-c", 3, "10.65.2.1"),
+        route("10.65.0.0/26", "node-a", 4),
+        route("10.65.0.5/32", "node-a", 4),
+        route("10.65.1.0/26", "node-b", 1),
+        route("10.65.1.1/32", "node-b", 16),
+        route("10.65.2.0/26", "node-c", 1),
+        // A remote host's address is no part of its share (no host
+        // encryption).
+        route("192.168.0.2/32", "node-b", 2),
+    ] {
+        m.check(&u).unwrap();
+        m.on_update(&u);
+    }
+}
+
+fn table(k: &DesiredKernel) -> Vec<String> {
+    k.routes
+        .as_ref()
+        .unwrap()
+        .desired()
+        .iter()
+        .map(|(key, t)| {
+            format!(
+                "{} {} {:?} {}",
+                key.table,
+                key.dst,
+                t.kind,
+                t.dev.as_deref().unwrap_or("-")
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn peers_table_and_rule() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    m.on_interface(&InterfaceEvent::Link {
+        index: 2,
+        name: "eth0".into(),
+        up: true,
+        mtu: 9000,
+    });
+    m.on_interface(&InterfaceEvent::AddrAdded {
+        index: 2,
+        addr: "192.168.0.1/24".parse().unwrap(),
+    });
+    let mut k = kernel();
+    k.rules = None;
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k
+        .wireguard
+        .as_ref()
+        .unwrap()
+        .desired(IpVersion::V4)
+        .unwrap()
+        .clone();
+    assert_eq!(dev.name, "wireguard.cali");
+    assert_eq!(dev.port, 51820);
+    assert_eq!(dev.fwmark, 0x20_0000);
+    assert_eq!(dev.mtu, 9000 - 60);
+    assert_eq!(dev.addr, Some("10.65.0.1".parse().unwrap()));
+    let peers: Vec<(String, String, Vec<String>)> = dev
+        .peers
+        .values()
+        .map(|p| {
+            (
+                p.node.clone(),
+                p.endpoint.to_string(),
+                p.allowed_ips.iter().map(ToString::to_string).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        peers,
+        vec![
+            (
+                "node-b".to_string(),
+                "192.168.0.2:51820".to_string(),
+                vec!["10.65.1.0/26".to_string(), "10.65.1.1/32".to_string()]
+            ),
+            (
+                "node-c".to_string(),
+                "192.168.0.3:51820".to_string(),
+                vec!["10.65.2.0/26".to_string()]
+            ),
+        ]
+    );
+    assert_eq!(
+        table(&k),
+        vec![
+            "1 10.65.0.0/26 Throw -",
+            "1 10.65.1.0/26 Unicast wireguard.cali",
+            "1 10.65.1.1/32 Unicast wireguard.cali",
+            "1 10.65.2.0/26 Unicast wireguard.cali",
+        ]
+    );
+    // v6 is off: no device for it.
+    assert!(
+        k.wireguard
+            .as_ref()
+            .unwrap()
+            .desired(IpVersion::V6)
+            .is_none()
+    );
+}
+
+#[test]
+fn a_duplicate_key_makes_neither_node_a_peer() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    m.on_update(&wg("node-c", 2, "10.65.2.1"));
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k
+        .wireguard
+        .as_ref()
+        .unwrap()
+        .desired(IpVersion::V4)
+        .unwrap();
+    assert!(dev.peers.is_empty());
+    assert!(
+        table(&k).iter().all(|r| r.contains("Throw")),
+        "{:?}",
+        table(&k)
+    );
+    let s: BTreeMap<String, String> = m.status().into_iter().collect();
+    assert!(
+        s["wireguard.v4.not_a_peer.node-b"].contains("also claimed by node-c"),
+        "{s:?}"
+    );
+    // node-c takes a key of its own: both are peers again.
+    m.on_update(&wg("node-c", 3, "10.65.2.1"));
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k
+        .wireguard
+        .as_ref()
+        .unwrap()
+        .desired(IpVersion::V4)
+        .unwrap();
+    assert_eq!(dev.peers.len(), 2);
+    // A node without an endpoint address is no peer either.
+    m.on_update(&Update::Remove(Key::HostMetadata(id("node-b"))));
+    m.complete_deferred_work(&mut k).unwrap();
+    let s: BTreeMap<String, String> = m.status().into_iter().collect();
+    assert_eq!(
+        s["wireguard.v4.not_a_peer.node-b"],
+        "no v4 endpoint address"
+    );
+}
+
+#[test]
+fn a_node_claiming_our_own_key_is_no_peer() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    k.wireguard
+        .as_mut()
+        .unwrap()
+        .apply(crate::backends::Phase::Links)
+        .unwrap();
+    // The fake's first key is [1; 32]: node-b now claims it.
+    let ours = public_key(&[1; 32]);
+    m.on_update(&Update::WireguardEndpoint(WireguardEndpoint {
+        hostname: id("node-b"),
+        public_key: Some(ours.0),
+        interface_addr: None,
+    }));
+    m.complete_deferred_work(&mut k).unwrap();
+    let s: BTreeMap<String, String> = m.status().into_iter().collect();
+    assert!(s["wireguard.v4.not_a_peer.node-b"].contains("this node's own"));
+}
+
+#[test]
+fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
+    let mut m = manager(false);
+    cluster(&mut m);
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        k.wireguard
+            .as_ref()
+            .unwrap()
+            .desired(IpVersion::V4)
+            .is_none()
+    );
+    assert!(table(&k).is_empty());
+    let on = Update::Config(vec![
+        ("WireguardEnabled".into(), "true".into()),
+        ("WireguardListeningPort".into(), "51999".into()),
+        ("WireguardMTU".into(), "1380".into()),
+        ("WireguardRoutingRulePriority".into(), "98".into()),
+        ("WireguardInterfaceName".into(), "wg0.cali".into()),
+    ]);
+    m.check(&on).unwrap();
+    m.on_update(&on);
+    let mut k = kernel();
+    k.rules = Some(crate::backends::rules::Rules::new([1, 2], Box::new(NoRules)).unwrap());
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k
+        .wireguard
+        .as_ref()
+        .unwrap()
+        .desired(IpVersion::V4)
+        .unwrap();
+    assert_eq!(
+        (dev.name.as_str(), dev.port, dev.mtu),
+        ("wg0.cali", 51999, 1380)
+    );
+    assert_eq!(dev.peers.values().next().unwrap().endpoint.port(), 51999);
+    let rules: Vec<IpRule> = k
+        .rules
+        .as_ref()
+        .unwrap()
+        .desired()
+        .iter()
+        .copied()
+        .collect();
+    assert_eq!(
+        rules,
+        vec![IpRule {
+            v6: false,
+            priority: 98,
+            fwmark: Some((0x20_0000, 0x20_0000)),
+            invert: true,
+            src: None,
+            table: 1,
+        }]
+    );
+    // A later ConfigUpdate without the keys: the flags again (off).
+    m.on_update(&Update::Config(vec![]));
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        k.wireguard
+            .as_ref()
+            .unwrap()
+            .desired(IpVersion::V4)
+            .is_none()
+    );
+    assert!(k.rules.as_ref().unwrap().desired().is_empty());
+    assert!(table(&k).is_empty());
+    for (key, value, says) in [
+        ("WireguardEnabled", "maybe", "not true or false"),
+        ("WireguardListeningPort", "70000", "not a UDP port"),
+        ("WireguardMTU", "20", "not an MTU"),
+        (
+            "WireguardRoutingRulePriority",
+            "32766",
+            "not a rule priority",
+        ),
+        (
+            "WireguardInterfaceName",
+            "wg0 cali",
+            "not an interface name",
+        ),
+    ] {
+        let e = m
+            .check(&Update::Config(vec![(key.into(), value.into())]))
+            .unwrap_err();
+        assert_eq!(e.field, format!("config_update.config[{key}]"));
+        assert!(e.reason.contains(says), "{e}");
+    }
+    let e = m
+        .check(&Update::WireguardEndpoint(WireguardEndpoint {
+            hostname: id("node-b"),
+            public_key: None,
+            interface_addr: Some("fd00::1".parse().unwrap()),
+        }))
+        .unwrap_err();
+    assert_eq!(e.field, "wireguard_endpoint_update.interface_ipv4_addr");
+}
+
+#[derive(Debug)]
+struct NoRules;
+impl crate::backends::rules::RuleSeam for NoRules {
+    fn rules(&mut self) -> Result<Vec<IpRule>, crate::backends::BackendError> {
+        Ok(vec![])
+    }
+    fn add(&mut self, _rule: &IpRule) -> Result<(), crate::backends::BackendError> {
+        Ok(())
+    }
+    fn delete(&mut self, _rule: &IpRule) -> Result<(), crate::backends::BackendError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,414 @@
+//! Pod traffic between two nodes encrypted with WireGuard (the two-node
+//! lab is `dphandler_tests::cluster`; the calc graph's VXLAN feed stays on,
+//! WireGuard's table takes pod traffic first). This kernel has no
+//! WireGuard module: the daemons fall back to `wireguard-go`, which they
+//! start and configure themselves. Nothing global is set by the test: the
+//! devices, keys, rules and routes are the daemons' to make. The test ends
+//! the `wireguard-go` processes the daemons started (by the pids in their
+//! state directories), also on failure. Needs root, `wireguard-go` and
+//! `wg` (wireguard-tools).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use dphandler_proto::felix::from_dataplane::Payload as FromPayload;
+use dphandler_proto::v1::{self, status_update::Kind};
+use dphandler_tests::cluster::*;
+use dphandler_tests::lab::{Capture, Probe, probe, yaml_msgs};
+use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
+use tonic::Streaming;
+
+/// The `wireguard-go`s our daemons started, ended on drop: their pid
+/// files (in the daemons' state directories) name them; the UAPI socket a
+/// killed one leaves behind goes too.
+struct WgGoReaper(Vec<(PathBuf, String)>);
+
+impl WgGoReaper {
+    fn kill(pid_file: &Path) {
+        if let Ok(pid) = std::fs::read_to_string(pid_file)
+            && let Ok(pid) = pid.trim().parse::<i32>()
+        {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            // SIGKILL: a wireguard-go whose namespace is already gone can
+            // hang in its orderly shutdown.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for WgGoReaper {
+    fn drop(&mut self) {
+        for (pid_file, iface) in &self.0 {
+            Self::kill(pid_file);
+            let _ = std::fs::remove_file(format!("/var/run/wireguard/{iface}.sock"));
+        }
+    }
+}
+
+/// The next WireGuard key (IPv4) a StatusUpdates stream carries.
+async fn next_key(s: &mut Streaming<v1::StatusUpdate>, within: Duration) -> Result<String> {
+    let until = Instant::now() + within;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let m = tokio::time::timeout(left, s.message())
+            .await
+            .context("no WireguardStatusUpdate in time")??
+            .context("StatusUpdates ended")?;
+        if let Some(Kind::Update(f)) = m.kind
+            && let Some(FromPayload::WireguardStatusUpdate(w)) = f.payload
+            && w.ip_version == 4
+        {
+            return Ok(w.public_key);
+        }
+    }
+}
+
+async fn watch(d: &Daemon) -> Result<Streaming<v1::StatusUpdate>> {
+    Ok(d.connect()
+        .await?
+        .status_updates(v1::StatusUpdatesRequest {})
+        .await?
+        .into_inner())
+}
+
+async fn details(d: &Daemon) -> Result<std::collections::HashMap<String, String>> {
+    Ok(d.connect()
+        .await?
+        .get_status(v1::GetStatusRequest {})
+        .await?
+        .into_inner()
+        .details)
+}
+
+/// `wireguardEndpointUpdate`s for both nodes (what the calc graph sends
+/// once each node has published its key).
+fn endpoints(keys: &[String; 2]) -> String {
+    (0..2)
+        .map(|n| {
+            format!(
+                "wireguardEndpointUpdate: {{hostname: node{}, publicKey: '{}', interfaceIpv4Addr: '{}'}}\n---\n",
+                n + 1,
+                keys[n],
+                WG_ADDRS[n]
+            )
+        })
+        .collect()
+}
+
+/// Each node's WireGuard address (Calico takes it from the node's block).
+const WG_ADDRS: [&str; 2] = ["10.65.1.1", "10.65.2.1"];
+
+fn handshake_seen(ns: &Netns, iface: &str) -> bool {
+    stdout(ns, "wg", &["show", iface, "latest-handshakes"])
+        .map(|o| {
+            o.split_whitespace()
+                .nth(1)
+                .is_some_and(|t| t.parse::<u64>().is_ok_and(|t| t > 0))
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    // wireguard-go's UAPI sockets share one directory across namespaces:
+    // device names unique to this run.
+    let tag = std::process::id() % 100_000;
+    let ifaces = [format!("wga{tag}.cali"), format!("wgb{tag}.cali")];
+    let states = [dir.path().join("state1"), dir.path().join("state2")];
+    let nodes = cluster("wg")?;
+    // Dropped before the nodes: their wireguard-go go first.
+    let _reaper = WgGoReaper(
+        (0..2)
+            .map(|i| {
+                (
+                    states[i].join(format!("wireguard-go.{}.pid", ifaces[i])),
+                    ifaces[i].clone(),
+                )
+            })
+            .collect(),
+    );
+    let encap = "vxlanEnabled: true, vxlanEnabledV6: true";
+    let feeds = [feed(0, VXLAN, encap), feed(1, VXLAN, encap)];
+    let args = |i: usize| -> Vec<String> {
+        vec![
+            "--wireguard".into(),
+            "true".into(),
+            "--wireguard-interface".into(),
+            ifaces[i].clone(),
+            "--state-dir".into(),
+            states[i].display().to_string(),
+        ]
+    };
+    let mut daemons: Vec<Option<Daemon>> = Vec::new();
+    let mut keys = [String::new(), String::new()];
+    for (i, n) in nodes.iter().enumerate() {
+        let a = args(i);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let d = start_with(n, i, dir.path(), &feeds[i], &a).await?;
+        // The node's key, as a watcher that connects after it was made
+        // hears it.
+        keys[i] = next_key(&mut watch(&d).await?, Duration::from_secs(15)).await?;
+        assert_eq!(keys[i].len(), 44, "node{}: {:?}", i + 1, keys[i]);
+        daemons.push(Some(d));
+    }
+    assert_ne!(keys[0], keys[1]);
+    // Kept with mode 0600.
+    let key_file = states[0].join("wireguard-v4.key");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key_file)?.permissions());
+    assert_eq!(mode & 0o777, 0o600, "{}", key_file.display());
+
+    // The calc graph carries each node's key to the other.
+    let pushed = Instant::now();
+    for d in daemons.iter().flatten() {
+        let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1000, &endpoints(&keys))).await?;
+        assert!(rej.is_empty(), "{rej:?}");
+    }
+    // The first packets start the handshake.
+    let mut first_handshake = None;
+    for _ in 0..50 {
+        let _ = probe(&nodes[0].pod, PODS[1], Probe::Icmp);
+        if handshake_seen(&nodes[0].ns, &ifaces[0]) {
+            first_handshake = Some(pushed.elapsed());
+            break;
+        }
+    }
+    let first_handshake = first_handshake.context("no handshake within 50 pings")?;
+    eprintln!("time to first handshake after the keys arrived: {first_handshake:?}");
+
+    // What each node programmed.
+    for (i, n) in nodes.iter().enumerate() {
+        let other = 1 - i;
+        let link = stdout(&n.ns, "ip", &["-d", "link", "show", &ifaces[i]])?;
+        // This kernel has no WireGuard: a tun served by wireguard-go.
+        assert!(link.contains("mtu 1440") && link.contains("tun"), "{link}");
+        let addr = stdout(&n.ns, "ip", &["-4", "addr", "show", "dev", &ifaces[i]])?;
+        assert!(addr.contains(&format!("{}/32", WG_ADDRS[i])), "{addr}");
+        let wg = stdout(&n.ns, "wg", &["show", &ifaces[i]])?;
+        for want in [
+            format!("public key: {}", keys[i]),
+            "listening port: 51820".to_string(),
+            "fwmark: 0x200000".to_string(),
+            format!("peer: {}", keys[other]),
+            format!("endpoint: {}:51820", UNDERLAY[other]),
+            format!("allowed ips: {}", BLOCKS[other]),
+            "latest handshake".to_string(),
+        ] {
+            assert!(wg.contains(&want), "node{}: {want:?} in {wg}", i + 1);
+        }
+        let rules = stdout(&n.ns, "ip", &["rule"])?;
+        assert!(
+            rules.contains("99:\tnot from all fwmark 0x200000/0x200000 lookup 1"),
+            "{rules}"
+        );
+        let t = stdout(&n.ns, "ip", &["-d", "route", "show", "table", "1"])?;
+        assert!(
+            t.contains(&format!(
+                "unicast {} dev {} proto boot scope link",
+                BLOCKS[other], ifaces[i]
+            )),
+            "{t}"
+        );
+        assert!(t.contains(&format!("throw {}", BLOCKS[i])), "{t}");
+    }
+    let d = details(daemons[0].as_ref().expect("running")).await?;
+    assert!(
+        d["wireguard.v4.device"].contains(&format!("{} (userspace, wireguard-go pid", ifaces[0])),
+        "{d:?}"
+    );
+    assert_eq!(d["wireguard.v4.public_key"], keys[0]);
+    assert!(
+        d["wireguard.v4.peer.node2"].contains(&format!("key {}", keys[1])),
+        "{d:?}"
+    );
+
+    // A to B and back: the underlay carries WireGuard and nothing else of
+    // the pods (no pod address, no VXLAN).
+    let wg_seen = Capture::start(&nodes[1].ns, "udp port 51820")?;
+    let clear = Capture::start(&nodes[1].ns, "ip and (net 10.65.0.0/16 or udp port 4789)")?;
+    for (from, to) in [(0, 1), (1, 0)] {
+        for p in [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp] {
+            assert!(
+                probe(&nodes[from].pod, PODS[to], p),
+                "{p:?} node{} -> node{}",
+                from + 1,
+                to + 1
+            );
+        }
+    }
+    let (wg_seen, clear) = (wg_seen.finish(), clear.finish());
+    assert!(
+        wg_seen
+            .iter()
+            .any(|l| l.contains(&format!("{}.51820", UNDERLAY[0]))),
+        "no WireGuard on the underlay: {wg_seen:?}"
+    );
+    assert!(clear.is_empty(), "in the clear on the underlay: {clear:?}");
+    // Host-endpoint policy on both underlays that allows nothing: the
+    // WireGuard port still passes (Felix's allow rules ahead of it).
+    let hep = "hostEndpointUpdate:\n  id: {endpointId: underlay}\n  endpoint:\n    name: eth0\n";
+    for d in daemons.iter().flatten() {
+        let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1100, hep)).await?;
+        assert!(rej.is_empty(), "{rej:?}");
+    }
+    for (from, to) in [(0, 1), (1, 0)] {
+        assert!(
+            probe(&nodes[from].pod, PODS[to], Probe::Tcp(80)),
+            "node{} -> node{} under host-endpoint policy",
+            from + 1,
+            to + 1
+        );
+    }
+    let input = stdout(&nodes[1].ns, "iptables", &["-S", "dph-INPUT"])?;
+    assert!(
+        input
+            .lines()
+            .any(|l| l.contains("--dport 51820 -m addrtype --dst-type LOCAL -j ACCEPT")),
+        "{input}"
+    );
+    // The handshake is in status too.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let d = details(daemons[0].as_ref().expect("running")).await?;
+    assert!(
+        !d["wireguard.v4.peer.node2"].contains("handshake never"),
+        "{d:?}"
+    );
+
+    // Restart node 1's daemon, and lose its wireguard-go too: the new one
+    // brings back the same key, node 2 needs no update, traffic flows.
+    daemons[0].take().expect("running").stop()?;
+    WgGoReaper::kill(&states[0].join(format!("wireguard-go.{}.pid", ifaces[0])));
+    let gone = Instant::now();
+    while stdout(&nodes[0].ns, "ip", &["link", "show", &ifaces[0]]).is_ok_and(|l| !l.is_empty()) {
+        if gone.elapsed() > Duration::from_secs(5) {
+            bail!("wireguard-go did not exit");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = args(0);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let d1 = start_with(
+        &nodes[0],
+        0,
+        dir.path(),
+        &(feeds[0].clone() + "---\n" + &endpoints(&keys)),
+        &a,
+    )
+    .await?;
+    assert_eq!(
+        next_key(&mut watch(&d1).await?, Duration::from_secs(15)).await?,
+        keys[0],
+        "a new key after a restart"
+    );
+    daemons[0] = Some(d1);
+    let mut back = false;
+    for _ in 0..20 {
+        if probe(&nodes[0].pod, PODS[1], Probe::Icmp) {
+            back = true;
+            break;
+        }
+    }
+    assert!(back, "A -> B after node 1's restart");
+
+    // A third node claiming node 2's key: neither is programmed (status
+    // says why).
+    let c1 = || async { daemons[0].as_ref().expect("running").connect().await };
+    let dup = format!(
+        "hostMetadataUpdate: {{hostname: node3, ipv4Addr: '172.31.77.3'}}\n---\n\
+         wireguardEndpointUpdate: {{hostname: node3, publicKey: '{}'}}\n",
+        keys[1]
+    );
+    let (rej, _) = push(&mut c1().await?, yaml_msgs(2000, &dup)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let wg = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "peers"])?;
+    assert!(wg.trim().is_empty(), "peers with a duplicate key: {wg}");
+    let d = details(daemons[0].as_ref().expect("running")).await?;
+    assert!(
+        d["wireguard.v4.not_a_peer.node2"].contains("also claimed by node3"),
+        "{d:?}"
+    );
+    // Node 2's CIDRs go back to the main table on node 1 (node 2, which
+    // still has node 1 as a peer, would answer through WireGuard: the calc
+    // graph sends the same to every node, so both drop each other).
+    let t = stdout(&nodes[0].ns, "ip", &["route", "show", "table", "1"])?;
+    assert!(t.contains(&format!("throw {}", BLOCKS[1])), "{t}");
+    let (rej, _) = push(
+        &mut c1().await?,
+        yaml_msgs(2100, "wireguardEndpointRemove: {hostname: node3}\n---\nhostMetadataRemove: {hostname: node3}\n"),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let wg = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "peers"])?;
+    assert_eq!(wg.trim(), keys[1]);
+
+    // Bad input: refused with a reason, nothing changes.
+    let before = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "dump"])?;
+    let bad = "wireguardEndpointUpdate: {hostname: node2, publicKey: 'not-a-key', interfaceIpv4Addr: '10.65.2.1'}\n---\n\
+        wireguardEndpointUpdate: {hostname: node2, publicKey: 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=', interfaceIpv4Addr: 'fd00::1'}\n---\n\
+        hostMetadataUpdate: {hostname: node2, ipv4Addr: 'node2.example'}\n---\n\
+        configUpdate: {config: {WireguardListeningPort: '70000'}}\n";
+    let (mut rej, _) = push(&mut c1().await?, yaml_msgs(2200, bad)).await?;
+    // The edge refuses some, the loop others: in sequence order.
+    rej.sort_by_key(|r| r.sequence_number);
+    assert_eq!(rej.len(), 4, "{rej:?}");
+    assert!(
+        rej[0].reason.contains("not a base64 WireGuard key"),
+        "{rej:?}"
+    );
+    assert!(rej[1].reason.contains("not an IPv4 address"), "{rej:?}");
+    assert!(rej[2].reason.contains("not an IP address"), "{rej:?}");
+    assert!(rej[3].reason.contains("not a UDP port"), "{rej:?}");
+    let after = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "dump"])?;
+    let strip = |s: &str| -> Vec<String> {
+        // Handshake times and counters move; the configuration must not.
+        s.lines()
+            .map(|l| l.split('\t').take(4).collect::<Vec<_>>().join("\t"))
+            .collect()
+    };
+    assert_eq!(strip(&before), strip(&after));
+
+    // Off through ConfigUpdate: device, rule and table go; the key
+    // announced is empty; the pods still reach each other (VXLAN).
+    let mut w = watch(daemons[0].as_ref().expect("running")).await?;
+    assert_eq!(next_key(&mut w, Duration::from_secs(5)).await?, keys[0]);
+    let (rej, _) = push(
+        &mut c1().await?,
+        yaml_msgs(
+            2300,
+            "configUpdate: {config: {WireguardEnabled: 'false'}}\n",
+        ),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    assert_eq!(next_key(&mut w, Duration::from_secs(10)).await?, "");
+    let links = stdout(&nodes[0].ns, "ip", &["link", "show"])?;
+    assert!(!links.contains(&ifaces[0]), "{links}");
+    let rules = stdout(&nodes[0].ns, "ip", &["rule"])?;
+    assert!(!rules.contains("lookup 1"), "{rules}");
+    let t = stdout(&nodes[0].ns, "ip", &["route", "show", "table", "1"])?;
+    assert!(t.trim().is_empty(), "{t}");
+    // Node 2 still sends to node 1 over WireGuard until the calc graph
+    // removes node 1's key there.
+    let (rej, _) = push(
+        &mut daemons[1].as_ref().expect("running").connect().await?,
+        yaml_msgs(2400, "wireguardEndpointRemove: {hostname: node1}\n"),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    for (from, to) in [(0, 1), (1, 0)] {
+        assert!(
+            probe(&nodes[from].pod, PODS[to], Probe::Icmp),
+            "node{} -> node{} after WireGuard off",
+            from + 1,
+            to + 1
+        );
+    }
+    let d = details(daemons[0].as_ref().expect("running")).await?;
+    assert_eq!(d["wireguard.v4.device"], "off");
+    Ok(())
+}
