@@ -178,6 +178,28 @@ fn underlay(ns: &Netns, addr: &str) -> Result<()> {
     Ok(())
 }
 
+/// Two nodes `<tag>1` and `<tag>2` joined by a veth underlay (`eth0`,
+/// `addr[i]`/24 each), up.
+fn two_nodes(tag: &str, addr: [&str; 2]) -> Result<[Netns; 2]> {
+    let n1 = Netns::new(&format!("{tag}1"))?;
+    let n2 = Netns::new(&format!("{tag}2"))?;
+    n1.run(
+        "ip",
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &n2.0,
+        ],
+    )?;
+    for (i, ns) in [&n1, &n2].into_iter().enumerate() {
+        ns.run("ip", &["link", "set", "lo", "up"])?;
+        ns.run(
+            "ip",
+            &["addr", "add", &format!("{}/24", addr[i]), "dev", "eth0"],
+        )?;
+        ns.run("ip", &["link", "set", "eth0", "up"])?;
+    }
+    Ok([n1, n2])
+}
+
 /// Starts `wireguard-go` on `iface` in `ns` and waits for its socket.
 fn start_wireguard_go(ns: &Netns, iface: &str, reap: &mut WgGo) -> Result<()> {
     let c = ns
@@ -415,26 +437,13 @@ async fn handshake_daemons(a: &Args, tag: u32, round: usize) -> Result<Duration>
         children: vec![],
         sockets: ifaces.to_vec(),
     };
-    let n1 = Netns::new("benchwh1")?;
-    let n2 = Netns::new("benchwh2")?;
-    n1.run(
-        "ip",
-        &[
-            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &n2.0,
-        ],
-    )?;
     let addr = ["172.31.78.1", "172.31.78.2"];
+    let [n1, n2] = two_nodes("benchwh", addr)?;
     let wg_addr = ["10.66.1.1", "10.66.2.1"];
     let blocks = ["10.66.1.0/26", "10.66.2.0/26"];
     let mut daemons = Vec::new();
     let mut keys = Vec::new();
     for (i, ns) in [&n1, &n2].into_iter().enumerate() {
-        ns.run("ip", &["link", "set", "lo", "up"])?;
-        ns.run(
-            "ip",
-            &["addr", "add", &format!("{}/24", addr[i]), "dev", "eth0"],
-        )?;
-        ns.run("ip", &["link", "set", "eth0", "up"])?;
         let d = Daemon::start(
             ns,
             &dir.path().join(format!("n{i}.sock")),
@@ -519,25 +528,12 @@ fn handshake_raw(tag: u32, round: usize) -> Result<Duration> {
         children: vec![],
         sockets: vec![],
     };
-    let n1 = Netns::new("benchwr1")?;
-    let n2 = Netns::new("benchwr2")?;
-    n1.run(
-        "ip",
-        &[
-            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &n2.0,
-        ],
-    )?;
     let addr = ["172.31.79.1", "172.31.79.2"];
+    let [n1, n2] = two_nodes("benchwr", addr)?;
     let wg_addr = ["10.67.1.1", "10.67.2.1"];
     let privs = [key(1, 77), key(2, 77)];
     let mut pubs = Vec::new();
     for (i, ns) in [&n1, &n2].into_iter().enumerate() {
-        ns.run("ip", &["link", "set", "lo", "up"])?;
-        ns.run(
-            "ip",
-            &["addr", "add", &format!("{}/24", addr[i]), "dev", "eth0"],
-        )?;
-        ns.run("ip", &["link", "set", "eth0", "up"])?;
         start_wireguard_go(ns, &ifaces[i], &mut reap)?;
         ns.run(
             "ip",

@@ -61,6 +61,15 @@ fn kernel() -> DesiredKernel {
     }
 }
 
+/// The IPv4 device the manager asked for.
+fn v4(k: &DesiredKernel) -> &WgDevice {
+    k.wireguard
+        .as_ref()
+        .unwrap()
+        .desired(IpVersion::V4)
+        .expect("an IPv4 device")
+}
+
 fn id(s: &str) -> Id {
     Id::new(s).unwrap()
 }
@@ -166,13 +175,7 @@ fn peers_table_and_rule() {
     let mut k = kernel();
     k.rules = None;
     m.complete_deferred_work(&mut k).unwrap();
-    let dev = k
-        .wireguard
-        .as_ref()
-        .unwrap()
-        .desired(IpVersion::V4)
-        .unwrap()
-        .clone();
+    let dev = v4(&k).clone();
     assert_eq!(dev.name, "wireguard.cali");
     assert_eq!(dev.port, 51820);
     assert_eq!(dev.fwmark, 0x20_0000);
@@ -230,12 +233,7 @@ fn a_duplicate_key_makes_neither_node_a_peer() {
     m.on_update(&wg("node-c", 2, "10.65.2.1"));
     let mut k = kernel();
     m.complete_deferred_work(&mut k).unwrap();
-    let dev = k
-        .wireguard
-        .as_ref()
-        .unwrap()
-        .desired(IpVersion::V4)
-        .unwrap();
+    let dev = v4(&k);
     assert!(dev.peers.is_empty());
     assert!(
         table(&k).iter().all(|r| r.contains("Throw")),
@@ -250,12 +248,7 @@ fn a_duplicate_key_makes_neither_node_a_peer() {
     // node-c takes a key of its own: both are peers again.
     m.on_update(&wg("node-c", 3, "10.65.2.1"));
     m.complete_deferred_work(&mut k).unwrap();
-    let dev = k
-        .wireguard
-        .as_ref()
-        .unwrap()
-        .desired(IpVersion::V4)
-        .unwrap();
+    let dev = v4(&k);
     assert_eq!(dev.peers.len(), 2);
     // A node without an endpoint address is no peer either.
     m.on_update(&Update::Remove(Key::HostMetadata(id("node-b"))));
@@ -316,12 +309,7 @@ fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
     let mut k = kernel();
     k.rules = Some(crate::backends::rules::Rules::new([1, 2], Box::new(NoRules)).unwrap());
     m.complete_deferred_work(&mut k).unwrap();
-    let dev = k
-        .wireguard
-        .as_ref()
-        .unwrap()
-        .desired(IpVersion::V4)
-        .unwrap();
+    let dev = v4(&k);
     assert_eq!(
         (dev.name.as_str(), dev.port, dev.mtu),
         ("wg0.cali", 51999, 1380)

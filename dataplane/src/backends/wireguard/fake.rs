@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use super::*;
+use crate::model::wireguard::WgPeer;
 use plan::ObservedPeer;
 
 #[derive(Debug, Default)]
@@ -161,4 +162,29 @@ impl Fake {
             },
         );
     }
+}
+
+/// An IPv4 device as Felix makes it, with no peers.
+pub fn device(addr: Option<&str>) -> WgDevice {
+    WgDevice {
+        version: IpVersion::V4,
+        name: "wireguard.cali".into(),
+        port: 51820,
+        fwmark: 0x20_0000,
+        mtu: 1440,
+        addr: addr.map(|a| a.parse().unwrap()),
+        peers: BTreeMap::new(),
+    }
+}
+
+/// Peer `k` (key `[k; 32]`, node `node-k`).
+pub fn peer(k: u8, endpoint: &str, ips: &[&str]) -> (PublicKey, WgPeer) {
+    (
+        PublicKey([k; 32]),
+        WgPeer {
+            node: format!("node-{k}"),
+            endpoint: endpoint.parse().unwrap(),
+            allowed_ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
+        },
+    )
 }

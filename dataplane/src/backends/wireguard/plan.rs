@@ -97,31 +97,13 @@ pub fn plan(want: &WgDevice, have: &ObservedDevice, key: &[u8; 32]) -> DeviceCha
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::IpVersion;
-    use crate::model::wireguard::WgPeer;
+    use crate::backends::wireguard::fake::{device, peer};
 
     fn dev(peers: &[(u8, &str, &[&str])]) -> WgDevice {
-        WgDevice {
-            version: IpVersion::V4,
-            name: "wireguard.cali".into(),
-            port: 51820,
-            fwmark: 0x20_0000,
-            mtu: 1440,
-            addr: None,
-            peers: peers
-                .iter()
-                .map(|(k, ep, ips)| {
-                    (
-                        PublicKey([*k; 32]),
-                        WgPeer {
-                            node: format!("node-{k}"),
-                            endpoint: ep.parse().unwrap(),
-                            allowed_ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
-                        },
-                    )
-                })
-                .collect(),
-        }
+        let mut d = device(None);
+        d.peers
+            .extend(peers.iter().map(|(k, ep, ips)| peer(*k, ep, ips)));
+        d
     }
 
     fn observed(want: &WgDevice, key: [u8; 32]) -> ObservedDevice {

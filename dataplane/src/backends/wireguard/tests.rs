@@ -3,35 +3,25 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::fake::*;
+use super::fake::{self, Fake, Seam, fake, peer};
 use super::*;
-use crate::model::wireguard::WgPeer;
 
 fn backend(f: &Arc<Mutex<Fake>>, keys: KeyStore, choice: WgImpl) -> Wireguard {
     Wireguard::new(Box::new(Seam(f.clone())), keys, choice)
 }
 
 fn device(peers: u8) -> WgDevice {
-    WgDevice {
-        version: IpVersion::V4,
-        name: "wireguard.cali".into(),
-        port: 51820,
-        fwmark: 0x20_0000,
-        mtu: 1440,
-        addr: Some("10.65.0.1".parse().unwrap()),
-        peers: (1..=peers)
-            .map(|i| {
-                (
-                    PublicKey([100 + i; 32]),
-                    WgPeer {
-                        node: format!("node-{i}"),
-                        endpoint: format!("192.168.0.{i}:51820").parse().unwrap(),
-                        allowed_ips: [format!("10.65.{i}.0/26").parse().unwrap()].into(),
-                    },
-                )
-            })
-            .collect(),
-    }
+    let mut d = fake::device(Some("10.65.0.1"));
+    d.peers.extend((1..=peers).map(|i| {
+        let mut p = peer(
+            100 + i,
+            &format!("192.168.0.{i}:51820"),
+            &[&format!("10.65.{i}.0/26")],
+        );
+        p.1.node = format!("node-{i}");
+        p
+    }));
+    d
 }
 
 fn apply(b: &mut Wireguard) {
