@@ -331,23 +331,22 @@ impl Dataplane for DataplaneService {
         };
         let (out_tx, out_rx) = mpsc::channel(64);
         tokio::spawn(async move {
-            // A new watcher hears this node's WireGuard keys as they stand.
-            for (ip_version, public_key) in keys {
-                let ev = StatusEvent::WireguardStatus {
+            // A new watcher hears where things stand: in sync first (as
+            // before there were keys), then this node's WireGuard keys.
+            let mut now = Vec::new();
+            if already_in_sync {
+                now.push(StatusEvent::DataplaneInSync);
+            }
+            now.extend(keys.into_iter().map(|(ip_version, public_key)| {
+                StatusEvent::WireguardStatus {
                     ip_version,
                     public_key,
-                };
+                }
+            }));
+            for ev in now {
                 if out_tx.send(Ok(update(from_event(ev)))).await.is_err() {
                     return;
                 }
-            }
-            if already_in_sync
-                && out_tx
-                    .send(Ok(update(from_event(StatusEvent::DataplaneInSync))))
-                    .await
-                    .is_err()
-            {
-                return;
             }
             loop {
                 let item = match events.recv().await {

@@ -80,16 +80,26 @@ async fn snapshot_in_sync_rejection_and_status_over_the_unix_socket() -> Result<
         rejected[1].reason
     );
 
-    let first = tokio::time::timeout(Duration::from_secs(5), watch.message())
-        .await??
-        .unwrap();
-    assert!(matches!(
-        first.kind,
-        Some(v1::status_update::Kind::Update(felix::FromDataplane {
-            payload: Some(felix::from_dataplane::Payload::DataplaneInSync(_)),
-            ..
-        }))
-    ));
+    // The first apply announces this node's WireGuard keys (empty: it is
+    // off), as Felix's does, then the dataplane is in sync.
+    let mut keys = Vec::new();
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(5), watch.message())
+            .await??
+            .unwrap();
+        match m.kind {
+            Some(v1::status_update::Kind::Update(felix::FromDataplane {
+                payload: Some(felix::from_dataplane::Payload::DataplaneInSync(_)),
+                ..
+            })) => break,
+            Some(v1::status_update::Kind::Update(felix::FromDataplane {
+                payload: Some(felix::from_dataplane::Payload::WireguardStatusUpdate(w)),
+                ..
+            })) => keys.push((w.ip_version, w.public_key)),
+            other => panic!("before DataplaneInSync: {other:?}"),
+        }
+    }
+    assert_eq!(keys, vec![(4, String::new()), (6, String::new())]);
 
     let st = client
         .get_status(v1::GetStatusRequest {})
