@@ -46,8 +46,9 @@ impl Drop for WgGoReaper {
     }
 }
 
-/// The next WireGuard key (IPv4) a StatusUpdates stream carries.
-async fn next_key(s: &mut Streaming<v1::StatusUpdate>, within: Duration) -> Result<String> {
+/// The next WireGuard key of IP version `v` (4 or 6) a StatusUpdates
+/// stream carries.
+async fn next_key(s: &mut Streaming<v1::StatusUpdate>, v: i32, within: Duration) -> Result<String> {
     let until = Instant::now() + within;
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -57,7 +58,7 @@ async fn next_key(s: &mut Streaming<v1::StatusUpdate>, within: Duration) -> Resu
             .context("StatusUpdates ended")?;
         if let Some(Kind::Update(f)) = m.kind
             && let Some(FromPayload::WireguardStatusUpdate(w)) = f.payload
-            && w.ip_version == 4
+            && w.ip_version == v
         {
             return Ok(w.public_key);
         }
@@ -81,23 +82,29 @@ async fn details(d: &Daemon) -> Result<std::collections::HashMap<String, String>
         .details)
 }
 
-/// `wireguardEndpointUpdate`s for both nodes (what the calc graph sends
-/// once each node has published its key).
-fn endpoints(keys: &[String; 2]) -> String {
+/// `wireguardEndpointUpdate`s and `…V6Update`s for both nodes (what the
+/// calc graph sends once each node has published its keys).
+fn endpoints(keys: &[[String; 2]; 2]) -> String {
     (0..2)
         .map(|n| {
             format!(
-                "wireguardEndpointUpdate: {{hostname: node{}, publicKey: '{}', interfaceIpv4Addr: '{}'}}\n---\n",
+                "wireguardEndpointUpdate: {{hostname: node{}, publicKey: '{}', interfaceIpv4Addr: '{}'}}\n---\n\
+                 wireguardEndpointV6Update: {{hostname: node{}, publicKeyV6: '{}', interfaceIpv6Addr: '{}'}}\n---\n",
                 n + 1,
-                keys[n],
-                WG_ADDRS[n]
+                keys[n][0],
+                WG_ADDRS[n],
+                n + 1,
+                keys[n][1],
+                WG_ADDRS6[n]
             )
         })
         .collect()
 }
 
-/// Each node's WireGuard address (Calico takes it from the node's block).
+/// Each node's WireGuard addresses (Calico takes them from the node's
+/// blocks).
 const WG_ADDRS: [&str; 2] = ["10.65.1.1", "10.65.2.1"];
+const WG_ADDRS6: [&str; 2] = ["fd00:65:1::1", "fd00:65:2::1"];
 
 fn handshake_seen(ns: &Netns, iface: &str) -> bool {
     stdout(ns, "wg", &["show", iface, "latest-handshakes"])
@@ -119,16 +126,18 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     // device names unique to this run.
     let tag = std::process::id() % 100_000;
     let ifaces = [format!("wga{tag}.cali"), format!("wgb{tag}.cali")];
+    let ifaces6 = [format!("w6a{tag}.cali"), format!("w6b{tag}.cali")];
     let states = [dir.path().join("state1"), dir.path().join("state2")];
     let nodes = cluster("wg")?;
     // Dropped before the nodes: their wireguard-go go first.
+    let pid_file = |i: usize, iface: &str| states[i].join(format!("wireguard-go.{iface}.pid"));
     let _reaper = WgGoReaper(
         (0..2)
-            .map(|i| {
-                (
-                    states[i].join(format!("wireguard-go.{}.pid", ifaces[i])),
-                    ifaces[i].clone(),
-                )
+            .flat_map(|i| {
+                [
+                    (pid_file(i, &ifaces[i]), ifaces[i].clone()),
+                    (pid_file(i, &ifaces6[i]), ifaces6[i].clone()),
+                ]
             })
             .collect(),
     );
@@ -140,23 +149,33 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
             "true".into(),
             "--wireguard-interface".into(),
             ifaces[i].clone(),
+            "--wireguard-v6".into(),
+            "true".into(),
+            "--wireguard-interface-v6".into(),
+            ifaces6[i].clone(),
             "--state-dir".into(),
             states[i].display().to_string(),
         ]
     };
     let mut daemons: Vec<Option<Daemon>> = Vec::new();
-    let mut keys = [String::new(), String::new()];
+    // keys[node][0 for IPv4, 1 for IPv6]
+    let mut keys: [[String; 2]; 2] = Default::default();
     for (i, n) in nodes.iter().enumerate() {
         let a = args(i);
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let d = start_with(n, i, dir.path(), &feeds[i], &a).await?;
-        // The node's key, as a watcher that connects after it was made
-        // hears it.
-        keys[i] = next_key(&mut watch(&d).await?, Duration::from_secs(15)).await?;
-        assert_eq!(keys[i].len(), 44, "node{}: {:?}", i + 1, keys[i]);
+        // The node's keys, as a watcher that connects after they were
+        // made hears them.
+        let mut w = watch(&d).await?;
+        keys[i][0] = next_key(&mut w, 4, Duration::from_secs(15)).await?;
+        keys[i][1] = next_key(&mut w, 6, Duration::from_secs(15)).await?;
+        for k in &keys[i] {
+            assert_eq!(k.len(), 44, "node{}: {k:?}", i + 1);
+        }
         daemons.push(Some(d));
     }
-    assert_ne!(keys[0], keys[1]);
+    assert_ne!(keys[0][0], keys[1][0]);
+    assert_ne!(keys[0][0], keys[0][1], "one key per IP version");
     // Kept with mode 0600.
     let key_file = states[0].join("wireguard-v4.key");
     let mode =
@@ -169,17 +188,19 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1000, &endpoints(&keys))).await?;
         assert!(rej.is_empty(), "{rej:?}");
     }
-    // The first packets start the handshake.
-    let mut first_handshake = None;
-    for _ in 0..50 {
-        let _ = probe(&nodes[0].pod, PODS[1], Probe::Icmp);
-        if handshake_seen(&nodes[0].ns, &ifaces[0]) {
-            first_handshake = Some(pushed.elapsed());
-            break;
+    // The first packets start the handshakes.
+    for (iface, to) in [(&ifaces[0], PODS[1]), (&ifaces6[0], PODS6[1])] {
+        let mut first_handshake = None;
+        for _ in 0..50 {
+            let _ = probe(&nodes[0].pod, to, Probe::Icmp);
+            if handshake_seen(&nodes[0].ns, iface) {
+                first_handshake = Some(pushed.elapsed());
+                break;
+            }
         }
+        let first_handshake = first_handshake.context("no handshake within 50 pings")?;
+        eprintln!("{iface}: first handshake {first_handshake:?} after the keys were sent");
     }
-    let first_handshake = first_handshake.context("no handshake within 50 pings")?;
-    eprintln!("time to first handshake after the keys arrived: {first_handshake:?}");
 
     // What each node programmed.
     for (i, n) in nodes.iter().enumerate() {
@@ -191,10 +212,10 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         assert!(addr.contains(&format!("{}/32", WG_ADDRS[i])), "{addr}");
         let wg = stdout(&n.ns, "wg", &["show", &ifaces[i]])?;
         for want in [
-            format!("public key: {}", keys[i]),
+            format!("public key: {}", keys[i][0]),
             "listening port: 51820".to_string(),
             "fwmark: 0x200000".to_string(),
-            format!("peer: {}", keys[other]),
+            format!("peer: {}", keys[other][0]),
             format!("endpoint: {}:51820", UNDERLAY[other]),
             format!("allowed ips: {}", BLOCKS[other]),
             "latest handshake".to_string(),
@@ -215,40 +236,85 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
             "{t}"
         );
         assert!(t.contains(&format!("throw {}", BLOCKS[i])), "{t}");
+        // The same over IPv6: its own device, key, port and table.
+        let link = stdout(&n.ns, "ip", &["-d", "link", "show", &ifaces6[i]])?;
+        assert!(link.contains("mtu 1420"), "{link}");
+        let addr = stdout(&n.ns, "ip", &["-6", "addr", "show", "dev", &ifaces6[i]])?;
+        assert!(addr.contains(&format!("{}/128", WG_ADDRS6[i])), "{addr}");
+        let wg = stdout(&n.ns, "wg", &["show", &ifaces6[i]])?;
+        for want in [
+            format!("public key: {}", keys[i][1]),
+            "listening port: 51821".to_string(),
+            format!("peer: {}", keys[other][1]),
+            format!("endpoint: [{}]:51821", UNDERLAY6[other]),
+            format!("allowed ips: {}", BLOCKS6[other]),
+            "latest handshake".to_string(),
+        ] {
+            assert!(wg.contains(&want), "node{}: {want:?} in {wg}", i + 1);
+        }
+        let rules = stdout(&n.ns, "ip", &["-6", "rule"])?;
+        assert!(
+            rules.contains("99:\tnot from all fwmark 0x200000/0x200000 lookup 2"),
+            "{rules}"
+        );
+        let t = stdout(&n.ns, "ip", &["-6", "route", "show", "table", "2"])?;
+        assert!(
+            t.contains(&format!("{} dev {}", BLOCKS6[other], ifaces6[i])),
+            "{t}"
+        );
+        assert!(t.contains(&format!("throw {}", BLOCKS6[i])), "{t}");
     }
     let d = details(daemons[0].as_ref().expect("running")).await?;
     assert!(
         d["wireguard.v4.device"].contains(&format!("{} (userspace, wireguard-go pid", ifaces[0])),
         "{d:?}"
     );
-    assert_eq!(d["wireguard.v4.public_key"], keys[0]);
     assert!(
-        d["wireguard.v4.peer.node2"].contains(&format!("key {}", keys[1])),
+        d["wireguard.support"].starts_with("kernel module not loaded")
+            && d["wireguard.support"].contains("wireguard-go /"),
+        "{d:?}"
+    );
+    assert_eq!(d["wireguard.v4.public_key"], keys[0][0]);
+    assert_eq!(d["wireguard.v6.public_key"], keys[0][1]);
+    assert!(
+        d["wireguard.v4.peer.node2"].contains(&format!("key {}", keys[1][0])),
         "{d:?}"
     );
 
-    // A to B and back: the underlay carries WireGuard and nothing else of
-    // the pods (no pod address, no VXLAN).
-    let wg_seen = Capture::start(&nodes[1].ns, "udp port 51820")?;
-    let clear = Capture::start(&nodes[1].ns, "ip and (net 10.65.0.0/16 or udp port 4789)")?;
+    // A to B and back, IPv4 and IPv6: between the nodes the underlay
+    // carries WireGuard and nothing else (no pod address, no VXLAN; the
+    // IPv6 underlay's neighbour discovery and multicast listener
+    // reports aside).
+    let wg_seen = Capture::start(&nodes[1].ns, "udp port 51820 or udp port 51821")?;
+    let other = Capture::start(
+        &nodes[1].ns,
+        "(ip and not udp port 51820) or (ip6 and not ip6 multicast and not icmp6 and not udp port 51821)",
+    )?;
     for (from, to) in [(0, 1), (1, 0)] {
-        for p in [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp] {
-            assert!(
-                probe(&nodes[from].pod, PODS[to], p),
-                "{p:?} node{} -> node{}",
-                from + 1,
-                to + 1
-            );
+        for dst in [PODS[to], PODS6[to]] {
+            for p in [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp] {
+                assert!(
+                    probe(&nodes[from].pod, dst, p),
+                    "{p:?} node{} -> {dst}",
+                    from + 1
+                );
+            }
         }
     }
-    let (wg_seen, clear) = (wg_seen.finish(), clear.finish());
+    let (wg_seen, other) = (wg_seen.finish(), other.finish());
+    for port in [
+        format!("{}.51820", UNDERLAY[0]),
+        format!("{}.51821", UNDERLAY6[0]),
+    ] {
+        assert!(
+            wg_seen.iter().any(|l| l.contains(&port)),
+            "no WireGuard from {port} on the underlay: {wg_seen:?}"
+        );
+    }
     assert!(
-        wg_seen
-            .iter()
-            .any(|l| l.contains(&format!("{}.51820", UNDERLAY[0]))),
-        "no WireGuard on the underlay: {wg_seen:?}"
+        other.is_empty(),
+        "besides WireGuard on the underlay: {other:?}"
     );
-    assert!(clear.is_empty(), "in the clear on the underlay: {clear:?}");
     // Host-endpoint policy on both underlays that allows nothing: the
     // WireGuard port still passes (Felix's allow rules ahead of it).
     let hep = "hostEndpointUpdate:\n  id: {endpointId: underlay}\n  endpoint:\n    name: eth0\n";
@@ -282,7 +348,8 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     // Restart node 1's daemon, and lose its wireguard-go too: the new one
     // brings back the same key, node 2 needs no update, traffic flows.
     daemons[0].take().expect("running").stop()?;
-    WgGoReaper::kill(&states[0].join(format!("wireguard-go.{}.pid", ifaces[0])));
+    WgGoReaper::kill(&pid_file(0, &ifaces[0]));
+    WgGoReaper::kill(&pid_file(0, &ifaces6[0]));
     let gone = Instant::now();
     while stdout(&nodes[0].ns, "ip", &["link", "show", &ifaces[0]]).is_ok_and(|l| !l.is_empty()) {
         if gone.elapsed() > Duration::from_secs(5) {
@@ -300,20 +367,25 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         &a,
     )
     .await?;
-    assert_eq!(
-        next_key(&mut watch(&d1).await?, Duration::from_secs(15)).await?,
-        keys[0],
-        "a new key after a restart"
-    );
-    daemons[0] = Some(d1);
-    let mut back = false;
-    for _ in 0..20 {
-        if probe(&nodes[0].pod, PODS[1], Probe::Icmp) {
-            back = true;
-            break;
-        }
+    let mut w = watch(&d1).await?;
+    for v in [4, 6] {
+        assert_eq!(
+            next_key(&mut w, v, Duration::from_secs(15)).await?,
+            keys[0][usize::from(v == 6)],
+            "a new IPv{v} key after a restart"
+        );
     }
-    assert!(back, "A -> B after node 1's restart");
+    daemons[0] = Some(d1);
+    for dst in [PODS[1], PODS6[1]] {
+        let mut back = false;
+        for _ in 0..20 {
+            if probe(&nodes[0].pod, dst, Probe::Icmp) {
+                back = true;
+                break;
+            }
+        }
+        assert!(back, "A -> {dst} after node 1's restart");
+    }
 
     // A third node claiming node 2's key: neither is programmed (status
     // says why).
@@ -321,7 +393,7 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     let dup = format!(
         "hostMetadataUpdate: {{hostname: node3, ipv4Addr: '172.31.77.3'}}\n---\n\
          wireguardEndpointUpdate: {{hostname: node3, publicKey: '{}'}}\n",
-        keys[1]
+        keys[1][0]
     );
     let (rej, _) = push(&mut c1().await?, yaml_msgs(2000, &dup)).await?;
     assert!(rej.is_empty(), "{rej:?}");
@@ -344,7 +416,7 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
     let wg = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "peers"])?;
-    assert_eq!(wg.trim(), keys[1]);
+    assert_eq!(wg.trim(), keys[1][0]);
 
     // Bad input: refused with a reason, nothing changes.
     let before = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "dump"])?;
@@ -375,7 +447,10 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     // Off through ConfigUpdate: device, rule and table go; the key
     // announced is empty; the pods still reach each other (VXLAN).
     let mut w = watch(daemons[0].as_ref().expect("running")).await?;
-    assert_eq!(next_key(&mut w, Duration::from_secs(5)).await?, keys[0]);
+    assert_eq!(
+        next_key(&mut w, 4, Duration::from_secs(5)).await?,
+        keys[0][0]
+    );
     let (rej, _) = push(
         &mut c1().await?,
         yaml_msgs(
@@ -385,11 +460,13 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     )
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
-    assert_eq!(next_key(&mut w, Duration::from_secs(10)).await?, "");
+    assert_eq!(next_key(&mut w, 4, Duration::from_secs(10)).await?, "");
     let links = stdout(&nodes[0].ns, "ip", &["link", "show"])?;
     assert!(!links.contains(&ifaces[0]), "{links}");
     let rules = stdout(&nodes[0].ns, "ip", &["rule"])?;
     assert!(!rules.contains("lookup 1"), "{rules}");
+    // IPv6 stays on.
+    assert!(stdout(&nodes[0].ns, "ip", &["-6", "rule"])?.contains("lookup 2"));
     let t = stdout(&nodes[0].ns, "ip", &["route", "show", "table", "1"])?;
     assert!(t.trim().is_empty(), "{t}");
     // Node 2 still sends to node 1 over WireGuard until the calc graph

@@ -21,7 +21,7 @@ use std::fs;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -79,18 +79,49 @@ pub struct WgNetlink {
     binary: PathBuf,
     state_dir: Option<PathBuf>,
     children: HashMap<String, Child>,
+    support: String,
+}
+
+/// `binary` as found on `PATH` (or as given, with a `/`).
+fn find(binary: &Path) -> Option<PathBuf> {
+    if binary.components().count() > 1 {
+        return binary.is_file().then(|| binary.to_path_buf());
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
 }
 
 impl WgNetlink {
     /// `binary`: the `wireguard-go` to run; `state_dir`: where its logs and
     /// pid files go (none: output discarded, no pid file).
     pub fn open(binary: PathBuf, state_dir: Option<PathBuf>) -> Result<Self, BackendError> {
+        // A module that is not loaded yet may still be loadable: creating
+        // a device asks the kernel first whatever this says.
+        let module = Path::new("/sys/module/wireguard").exists();
+        let go = find(&binary);
+        let support = format!(
+            "kernel module {}; wireguard-go {}",
+            if module {
+                "loaded"
+            } else {
+                "not loaded (the kernel is asked first all the same)"
+            },
+            go.as_ref().map_or_else(
+                || format!("{} not found", binary.display()),
+                |p| p.display().to_string()
+            )
+        );
+        info!(kernel_module = module, wireguard_go = ?go, "WireGuard support on this host");
         Ok(Self {
             links: VxlanNetlink::open()?,
             nl: Netlink::open("wireguard")?,
             binary,
             state_dir,
             children: HashMap::new(),
+            support,
         })
     }
 
@@ -329,5 +360,9 @@ impl WgSeam for WgNetlink {
 
     fn generate_key(&mut self) -> [u8; 32] {
         Key::generate_private().0
+    }
+
+    fn support(&self) -> String {
+        self.support.clone()
     }
 }

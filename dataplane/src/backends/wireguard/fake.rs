@@ -135,6 +135,9 @@ impl WgSeam for Seam {
     fn describe(&self, _name: &str) -> Option<String> {
         None
     }
+    fn support(&self) -> String {
+        "fake".into()
+    }
     fn generate_key(&mut self) -> [u8; 32] {
         let mut f = self.0.lock().unwrap();
         f.next_key += 1;

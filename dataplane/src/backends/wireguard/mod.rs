@@ -99,6 +99,9 @@ pub trait WgSeam: Send + std::fmt::Debug {
     fn describe(&self, name: &str) -> Option<String>;
     /// A new private key.
     fn generate_key(&mut self) -> [u8; 32];
+    /// What this host offers (kernel module, `wireguard-go`), as found at
+    /// start.
+    fn support(&self) -> String;
 }
 
 /// The public key of a private one.
@@ -484,7 +487,7 @@ impl Backend for Wireguard {
     }
 
     fn status(&self) -> Vec<(String, String)> {
-        let mut out = Vec::new();
+        let mut out = vec![("wireguard.support".to_string(), self.seam.support())];
         for f in &self.families {
             let p = format!("wireguard.{}", f.label());
             let device = match (&f.state, f.carrier) {
