@@ -387,6 +387,46 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         assert!(back, "A -> {dst} after node 1's restart");
     }
 
+    // Restart node 2's daemon alone: its wireguard-go outlives it and the
+    // new daemon keeps it (same process, same key); a ping running across
+    // the restart loses nothing.
+    let pid_before = std::fs::read_to_string(pid_file(1, &ifaces[1]))?;
+    let pinger = nodes[0]
+        .pod
+        .command("ping")
+        .args(["-q", "-i", "0.02", "-w", "4", PODS[1]])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    daemons[1].take().expect("running").stop()?;
+    let a = args(1);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let d2 = start_with(
+        &nodes[1],
+        1,
+        dir.path(),
+        &(feeds[1].clone() + "---\n" + &endpoints(&keys)),
+        &a,
+    )
+    .await?;
+    assert_eq!(
+        next_key(&mut watch(&d2).await?, 4, Duration::from_secs(15)).await?,
+        keys[1][0]
+    );
+    let d = details(&d2).await?;
+    assert!(
+        d["wireguard.v4.device"]
+            .contains(&format!("pid {} from an earlier run", pid_before.trim())),
+        "{d:?}"
+    );
+    daemons[1] = Some(d2);
+    let out = pinger.wait_with_output()?;
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary.contains(" 0% packet loss"),
+        "packets lost across node 2's restart: {summary}"
+    );
+
     // A third node claiming node 2's key: neither is programmed (status
     // says why).
     let c1 = || async { daemons[0].as_ref().expect("running").connect().await };

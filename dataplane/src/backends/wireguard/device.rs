@@ -79,6 +79,9 @@ pub struct WgNetlink {
     binary: PathBuf,
     state_dir: Option<PathBuf>,
     children: HashMap<String, Child>,
+    /// Pids of the `wireguard-go`s of an earlier run that we kept (from
+    /// their pid files, read once).
+    adopted: HashMap<String, String>,
     support: String,
 }
 
@@ -121,6 +124,7 @@ impl WgNetlink {
             binary,
             state_dir,
             children: HashMap::new(),
+            adopted: HashMap::new(),
             support,
         })
     }
@@ -251,9 +255,17 @@ impl WgSeam for WgNetlink {
     }
 
     fn userspace_running(&mut self, name: &str) -> bool {
-        SOCKET_DIRS
+        let running = SOCKET_DIRS
             .iter()
-            .any(|d| UnixStream::connect(format!("{d}/{name}.sock")).is_ok())
+            .any(|d| UnixStream::connect(format!("{d}/{name}.sock")).is_ok());
+        if running && !self.children.contains_key(name) {
+            let pid = self
+                .file(name, "pid")
+                .and_then(|p| fs::read_to_string(p).ok())
+                .map_or_else(|| "unknown".into(), |p| p.trim().to_string());
+            self.adopted.insert(name.to_string(), pid);
+        }
+        running
     }
 
     fn delete(&mut self, name: &str, index: u32) -> Result<(), BackendError> {
@@ -261,6 +273,7 @@ impl WgSeam for WgNetlink {
         self.nl
             .block_on(h.link().del(index).execute())
             .map_err(|e| self.nl.error(format!("deleting {name}"), e))?;
+        self.adopted.remove(name);
         if let Some(mut c) = self.children.remove(name) {
             // It exits when its device goes; do not leave a zombie.
             let until = Instant::now() + Duration::from_secs(2);
@@ -349,13 +362,8 @@ impl WgSeam for WgNetlink {
         if let Some(c) = self.children.get(name) {
             return Some(format!("wireguard-go pid {}", c.id()));
         }
-        let pid = self
-            .file(name, "pid")
-            .and_then(|p| fs::read_to_string(p).ok())?;
-        Some(format!(
-            "wireguard-go pid {} from an earlier run",
-            pid.trim()
-        ))
+        let pid = self.adopted.get(name)?;
+        Some(format!("wireguard-go pid {pid} from an earlier run"))
     }
 
     fn generate_key(&mut self) -> [u8; 32] {

@@ -139,6 +139,8 @@ struct Family {
     trusted: bool,
     poll_until: Option<Instant>,
     key_warning: Option<String>,
+    /// The key the state directory holds (written or read by us).
+    kept: Option<[u8; 32]>,
 }
 
 impl Family {
@@ -159,6 +161,7 @@ impl Family {
             trusted: false,
             poll_until: None,
             key_warning: None,
+            kept: None,
         }
     }
 
@@ -299,17 +302,26 @@ impl Wireguard {
         let key = match have.private_key {
             Some(k) => k,
             None => match self.keys.load(v)? {
-                Some(k) => k,
+                Some(k) => {
+                    self.families[i].kept = Some(k);
+                    k
+                }
                 None => {
                     info!(version = self.families[i].label(), "new WireGuard key");
                     self.seam.generate_key()
                 }
             },
         };
+        if self.families[i].kept == Some(key) {
+            return Ok(key);
+        }
         // Not keeping it costs a new key after a restart of a userspace
         // device, not the traffic now: reported, not fatal.
         self.families[i].key_warning = match self.keys.store(v, &key) {
-            Ok(()) => None,
+            Ok(()) => {
+                self.families[i].kept = Some(key);
+                None
+            }
             Err(e) => {
                 warn!(error = %e, "cannot keep the WireGuard key");
                 Some(e.to_string())
@@ -338,8 +350,11 @@ impl Wireguard {
             return Ok(());
         };
         let mut link = self.seam.link(&name)?;
+        // Whether a wireguard-go serves a tun is asked when we last lost
+        // track (start, resync, link event, failure), not at every apply.
         if let Some(l) = &link
             && l.kind == "tun"
+            && !self.families[i].trusted
             && !self.seam.userspace_running(&name)
         {
             // Left by a wireguard-go that died: nothing serves it.
