@@ -36,6 +36,10 @@ struct Args {
     /// The server's log filter.
     #[arg(long, env = "DPH_BENCH_SERVER_LOG", default_value = "warn")]
     server_log: String,
+    /// WireGuard on too (its table gets a route per block: the nodes send
+    /// no keys here, so every block is a `throw`).
+    #[arg(long, env = "DPH_BENCH_WIREGUARD")]
+    wireguard: bool,
 }
 
 /// Block `i`: 10.0.0.0/26 upwards (262,144 fit in 10.0.0.0/8).
@@ -128,18 +132,28 @@ async fn main() -> Result<()> {
     ] {
         ns.run("ip", args)?;
     }
-    let daemon = Daemon::start(
-        &ns,
-        &dir.path().join("dp.sock"),
-        &[
-            "--log",
-            &a.server_log,
-            "--ipv6",
-            "false",
-            "--hostname",
-            "node-0",
-        ],
-    )?;
+    let iface = format!("wgc{}.cali", std::process::id() % 100_000);
+    let state = dir.path().join("state");
+    let state_arg = state.display().to_string();
+    let mut args = vec![
+        "--log",
+        &a.server_log,
+        "--ipv6",
+        "false",
+        "--hostname",
+        "node-0",
+    ];
+    if a.wireguard {
+        args.extend([
+            "--wireguard",
+            "true",
+            "--wireguard-interface",
+            &iface,
+            "--state-dir",
+            &state_arg,
+        ]);
+    }
+    let daemon = Daemon::start(&ns, &dir.path().join("dp.sock"), &args)?;
     let mut client = daemon.connect().await?;
     let mut feed = Feed::open(&mut client).await?;
 
@@ -207,6 +221,13 @@ async fn main() -> Result<()> {
         .into_inner();
     drop(feed);
     daemon.stop()?;
+    if a.wireguard {
+        // The daemon's wireguard-go outlives it by design: end it here.
+        let pid = std::fs::read_to_string(state.join(format!("wireguard-go.{iface}.pid")))?;
+        let pid = nix::unistd::Pid::from_raw(pid.trim().parse()?);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = std::fs::remove_file(format!("/var/run/wireguard/{iface}.sock"));
+    }
 
     // The raw tool in a namespace of its own: the same routes by one
     // `ip -batch`, then one route by one process each way.
@@ -268,8 +289,12 @@ async fn main() -> Result<()> {
     }
 
     println!(
-        "cluster: {} blocks of {} other nodes over VXLAN, one daemon fed over gRPC ({} messages), {} one-route changes (median)",
-        a.blocks, a.nodes, n_msgs, a.changes
+        "cluster: {} blocks of {} other nodes over VXLAN{}, one daemon fed over gRPC ({} messages), {} one-route changes (median)",
+        a.blocks,
+        a.nodes,
+        if a.wireguard { ", WireGuard on" } else { "" },
+        n_msgs,
+        a.changes
     );
     println!();
     println!("| case | raw tool | dphandler (send → Programmed) | ratio / difference | target |");

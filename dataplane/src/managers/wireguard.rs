@@ -89,9 +89,21 @@ pub struct WireguardManager {
     /// CIDRs that are part of a node's share, by destination.
     routes: BTreeMap<IpNet, Id>,
     links: BTreeMap<u32, LinkInfo>,
+    /// The destinations of each node's share (allowed IPs).
+    by_node: BTreeMap<Id, BTreeSet<IpNet>>,
     /// Link events on our devices, for the backend.
     device_events: BTreeSet<String>,
-    dirty: bool,
+    /// Everything must be worked out again (a key, an endpoint, config,
+    /// the host's MTU, this node's blocks).
+    all_dirty: bool,
+    /// Only these destinations changed, and the shares of these nodes.
+    dirty_dsts: BTreeSet<IpNet>,
+    dirty_nodes: BTreeSet<Id>,
+    /// The peers of the last full pass, per version: node → (key,
+    /// endpoint).
+    peers: [BTreeMap<Id, (PublicKey, SocketAddr)>; 2],
+    /// This node's blocks (not single addresses), as of the last full pass.
+    local_blocks: BTreeSet<IpNet>,
     /// Our own public keys as the backend last announced them.
     own_keys: [Option<String>; 2],
     /// Why a node is not a peer, per version.
@@ -129,8 +141,13 @@ impl WireguardManager {
             endpoints: [BTreeMap::new(), BTreeMap::new()],
             routes: BTreeMap::new(),
             links: BTreeMap::new(),
+            by_node: BTreeMap::new(),
             device_events: BTreeSet::new(),
-            dirty: true,
+            all_dirty: true,
+            dirty_dsts: BTreeSet::new(),
+            dirty_nodes: BTreeSet::new(),
+            peers: [BTreeMap::new(), BTreeMap::new()],
+            local_blocks: BTreeSet::new(),
             own_keys: [None, None],
             not_programmed: [BTreeMap::new(), BTreeMap::new()],
             summary: [BTreeMap::new(), BTreeMap::new()],
@@ -250,67 +267,27 @@ impl WireguardManager {
                 }
             }
         }
-        // Allowed IPs and the table.
-        let mut allowed: BTreeMap<&Id, BTreeSet<IpNet>> = BTreeMap::new();
-        let mut table = BTreeMap::new();
-        let local_blocks: Vec<IpNet> = self
+        self.peers[i] = peers;
+        self.local_blocks = self
             .routes
             .iter()
             .filter(|(d, n)| n.as_str() == own && d.prefix_len() < d.max_prefix_len())
             .map(|(d, _)| *d)
             .collect();
-        let throw = |protocol| RouteTarget {
-            class: RouteClass::Wireguard,
-            kind: RouteKind::Throw,
-            dev: None,
-            gateway: None,
-            onlink: false,
-            protocol,
-            mtu: None,
-        };
-        for (dst, node) in &self.routes {
-            if version_of(dst) != v {
-                continue;
-            }
-            let key = RouteKey::new(self.table(v), *dst, 0);
-            if node.as_str() == own {
-                // Local blocks go back to the main table; a workload's own
-                // address inside one of them needs no route of its own.
-                let covered = dst.prefix_len() == dst.max_prefix_len()
-                    && local_blocks.iter().any(|b| b.contains(dst));
-                if !covered {
-                    table.insert(key, throw(self.cfg.device_protocol));
-                }
-            } else if peers.contains_key(node) {
-                allowed.entry(node).or_default().insert(*dst);
-                table.insert(
-                    key,
-                    RouteTarget {
-                        class: RouteClass::Wireguard,
-                        kind: RouteKind::Unicast,
-                        dev: Some(s.iface.clone()),
-                        gateway: None,
-                        onlink: false,
-                        protocol: self.cfg.device_protocol,
-                        mtu: None,
-                    },
-                );
-            } else {
-                table.insert(key, throw(self.cfg.device_protocol));
-            }
-        }
-        let peers: BTreeMap<PublicKey, WgPeer> = peers
-            .iter()
-            .map(|(node, (k, ep))| {
-                (
-                    *k,
-                    WgPeer {
-                        node: node.to_string(),
-                        endpoint: *ep,
-                        allowed_ips: allowed.remove(node).unwrap_or_default(),
-                    },
-                )
+        let table: BTreeMap<RouteKey, RouteTarget> = self
+            .routes
+            .keys()
+            .filter(|d| version_of(d) == v)
+            .filter_map(|d| {
+                Some((
+                    RouteKey::new(self.table(v), *d, 0),
+                    self.target(v, d, &s.iface)?,
+                ))
             })
+            .collect();
+        let peers: BTreeMap<PublicKey, WgPeer> = self.peers[i]
+            .iter()
+            .map(|(node, (k, ep))| (*k, self.peer(v, node, *ep)))
             .collect();
         let (overhead, host) = match v {
             IpVersion::V4 => (OVERHEAD_V4, self.host_mtu()),
@@ -343,7 +320,7 @@ impl WireguardManager {
                 |a| a.to_string(),
             ),
         );
-        summary.insert("table", format!("{table_index} ({} routes)", table.len()));
+        summary.insert("table", table_index.to_string());
         self.not_programmed[i] = not_programmed;
         let rule = IpRule {
             v6: v == IpVersion::V6,
@@ -366,6 +343,114 @@ impl WireguardManager {
             table,
             rule,
         )
+    }
+
+    /// The route in version `v`'s table for `dst`: into the device when
+    /// its node is a peer, `throw` otherwise and for this node's own (a
+    /// workload's address inside one of this node's blocks needs none).
+    fn target(&self, v: IpVersion, dst: &IpNet, iface: &str) -> Option<RouteTarget> {
+        let node = self.routes.get(dst)?;
+        if version_of(dst) != v {
+            return None;
+        }
+        let mut t = RouteTarget {
+            class: RouteClass::Wireguard,
+            kind: RouteKind::Throw,
+            dev: None,
+            gateway: None,
+            onlink: false,
+            protocol: self.cfg.device_protocol,
+            mtu: None,
+        };
+        if node.as_str() == self.hostname() {
+            let covered = dst.prefix_len() == dst.max_prefix_len()
+                && self.local_blocks.iter().any(|b| b.contains(dst));
+            return (!covered).then_some(t);
+        }
+        if self.peers[idx(v)].contains_key(node) {
+            t.kind = RouteKind::Unicast;
+            t.dev = Some(iface.to_string());
+        }
+        Some(t)
+    }
+
+    /// A programmed node as a peer: its share of version `v` as allowed
+    /// IPs.
+    fn peer(&self, v: IpVersion, node: &Id, endpoint: SocketAddr) -> WgPeer {
+        WgPeer {
+            node: node.to_string(),
+            endpoint,
+            allowed_ips: self
+                .by_node
+                .get(node)
+                .map(|d| d.iter().filter(|d| version_of(d) == v).copied().collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Only some destinations changed: their routes, and the allowed IPs
+    /// of their nodes' peers.
+    fn incremental(&mut self, kernel: &mut DesiredKernel) {
+        let dsts = std::mem::take(&mut self.dirty_dsts);
+        let nodes = std::mem::take(&mut self.dirty_nodes);
+        for v in [IpVersion::V4, IpVersion::V6] {
+            let s = self.settings(v);
+            if !s.enabled {
+                continue;
+            }
+            if let Some(r) = &mut kernel.routes {
+                for dst in dsts.iter().filter(|d| version_of(d) == v) {
+                    let key = RouteKey::new(self.table(v), *dst, 0);
+                    r.update(RouteSource::Wireguard, key, self.target(v, dst, &s.iface));
+                }
+            }
+            if let Some(wg) = &mut kernel.wireguard {
+                for node in &nodes {
+                    if let Some((k, ep)) = self.peers[idx(v)].get(node) {
+                        wg.update_peer(v, *k, self.peer(v, node, *ep));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A destination of `node`'s share came or went.
+    fn route_changed(&mut self, dst: IpNet, old: Option<Id>, new: Option<&Id>) {
+        if let Some(o) = &old
+            && let Some(set) = self.by_node.get_mut(o)
+        {
+            set.remove(&dst);
+            if set.is_empty() {
+                self.by_node.remove(o);
+            }
+        }
+        if let Some(n) = new {
+            self.by_node.entry(n.clone()).or_default().insert(dst);
+        }
+        let own = self.hostname();
+        let is_own = |n: Option<&Id>| n.is_some_and(|n| n.as_str() == own);
+        // This node's block decides which of its addresses need a route; a
+        // node seen for the first time may be a peer: everything again.
+        let new_node = new.is_some_and(|n| !self.peers_or_known(n));
+        if (dst.prefix_len() < dst.max_prefix_len() && (is_own(old.as_ref()) || is_own(new)))
+            || new_node
+        {
+            self.all_dirty = true;
+            return;
+        }
+        self.dirty_dsts.insert(dst);
+        self.dirty_nodes.extend(old);
+        self.dirty_nodes.extend(new.cloned());
+    }
+
+    /// Whether the last full pass knew `node` (as a peer or not).
+    fn peers_or_known(&self, node: &Id) -> bool {
+        node.as_str() == self.hostname()
+            || self.peers.iter().any(|p| p.contains_key(node))
+            || self
+                .not_programmed
+                .iter()
+                .any(|n| n.contains_key(node.as_str()))
     }
 
     fn is_device(&self, name: &str) -> bool {
@@ -447,22 +532,24 @@ impl Manager for WireguardManager {
                     .dst_node_name
                     .clone()
                     .filter(|_| r.types & WORKLOAD_OR_TUNNEL != 0);
-                let changed = match node {
-                    Some(n) => self.routes.insert(r.dst, n.clone()).as_ref() != Some(&n),
-                    None => self.routes.remove(&r.dst).is_some(),
+                let old = match &node {
+                    Some(n) => self.routes.insert(r.dst, n.clone()),
+                    None => self.routes.remove(&r.dst),
                 };
-                if !changed {
-                    return; // nothing of a node's share changed
+                if old != node {
+                    self.route_changed(r.dst, old, node.as_ref());
                 }
+                return;
             }
             Update::Remove(Key::Route(dst)) => {
-                if self.routes.remove(dst).is_none() {
-                    return;
+                if let Some(old) = self.routes.remove(dst) {
+                    self.route_changed(*dst, Some(old), None);
                 }
+                return;
             }
             _ => return,
         }
-        self.dirty = true;
+        self.all_dirty = true;
     }
 
     fn on_interface(&mut self, event: &InterfaceEvent) {
@@ -477,7 +564,7 @@ impl Manager for WireguardManager {
                 if self.is_device(name) {
                     self.device_events.insert(name.clone());
                 } else if changed {
-                    self.dirty = true;
+                    self.all_dirty = true;
                 }
             }
             InterfaceEvent::LinkRemoved { index, name } => {
@@ -490,14 +577,14 @@ impl Manager for WireguardManager {
                 if let Some(l) = self.links.get_mut(index)
                     && l.addrs.insert(*addr)
                 {
-                    self.dirty = true;
+                    self.all_dirty = true;
                 }
             }
             InterfaceEvent::AddrRemoved { index, addr } => {
                 if let Some(l) = self.links.get_mut(index)
                     && l.addrs.remove(addr)
                 {
-                    self.dirty = true;
+                    self.all_dirty = true;
                 }
             }
             InterfaceEvent::InSync => {}
@@ -516,13 +603,18 @@ impl Manager for WireguardManager {
             let k = wg.public_key(v).map(str::to_string);
             if k != self.own_keys[idx(v)] {
                 self.own_keys[idx(v)] = k;
-                self.dirty = true;
+                self.all_dirty = true;
             }
         }
-        if !self.dirty {
+        if !self.all_dirty {
+            if !self.dirty_dsts.is_empty() || !self.dirty_nodes.is_empty() {
+                self.incremental(kernel);
+            }
             return Ok(());
         }
-        self.dirty = false;
+        self.all_dirty = false;
+        self.dirty_dsts.clear();
+        self.dirty_nodes.clear();
         let mut table = BTreeMap::new();
         let mut rules = BTreeSet::new();
         for v in [IpVersion::V4, IpVersion::V6] {

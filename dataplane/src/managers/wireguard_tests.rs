@@ -390,3 +390,47 @@ impl crate::backends::rules::RuleSeam for NoRules {
         Ok(())
     }
 }
+
+/// The IPv4 table and device as a full pass over `updates` makes them.
+fn full_pass(updates: &[Update]) -> (Vec<String>, WgDevice) {
+    let mut m = manager(true);
+    cluster(&mut m);
+    for u in updates {
+        m.on_update(u);
+    }
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    (table(&k), v4(&k).clone())
+}
+
+#[test]
+fn route_changes_are_worked_out_alone_and_agree_with_a_full_pass() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    let mut seen = Vec::new();
+    for u in [
+        // Another block of a peer, a block moving between peers, a
+        // peer's block gone, a block of a node that is no peer (no key),
+        // a workload address inside this node's block.
+        route("10.65.1.64/26", "node-b", 1),
+        route("10.65.2.0/26", "node-b", 1),
+        Update::Remove(Key::Route("10.65.1.1/32".parse().unwrap())),
+        route("10.65.9.0/26", "node-z", 1),
+        route("10.65.0.9/32", "node-a", 4),
+        route("10.65.9.64/26", "node-z", 1),
+    ] {
+        m.on_update(&u);
+        let incremental = !m.all_dirty;
+        m.complete_deferred_work(&mut k).unwrap();
+        seen.push(u);
+        let (t, dev) = full_pass(&seen);
+        assert_eq!(table(&k), t, "after {:?}", seen.last());
+        assert_eq!(v4(&k), &dev, "after {:?}", seen.last());
+        // Only a node never seen before needs a full pass.
+        let first_of_node = matches!(seen.last(), Some(Update::Route(r))
+            if r.dst.to_string() == "10.65.9.0/26");
+        assert_eq!(incremental, !first_of_node, "after {:?}", seen.last());
+    }
+}

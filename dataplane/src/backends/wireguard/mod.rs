@@ -39,7 +39,7 @@ use tracing::{info, instrument, warn};
 use super::vxlan::{ObservedLink, VxlanOp, link_fixes};
 use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
 use crate::model::IpVersion;
-use crate::model::wireguard::{PublicKey, WgDevice, WgImpl};
+use crate::model::wireguard::{PublicKey, WgDevice, WgImpl, WgPeer};
 use keys::KeyStore;
 use plan::{DeviceChange, ObservedDevice, plan};
 
@@ -214,6 +214,18 @@ impl Wireguard {
         }
         if f.want != want {
             f.want = want;
+            f.dirty = true;
+        }
+    }
+
+    /// One peer of version `v`'s device as it should now be (its allowed
+    /// IPs changed); nothing while the version is off.
+    pub fn update_peer(&mut self, v: IpVersion, key: PublicKey, peer: WgPeer) {
+        let f = &mut self.families[idx(v)];
+        if let Some(want) = &mut f.want
+            && want.peers.get(&key) != Some(&peer)
+        {
+            want.peers.insert(key, peer);
             f.dirty = true;
         }
     }
