@@ -240,7 +240,7 @@ pub struct DesiredKernel {
     pub wireguard: Option<wireguard::Wireguard>,
     /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
-    /// ip rules into the routing tables we own (WireGuard's, next).
+    /// ip rules into the routing tables we own (WireGuard's).
     pub rules: Option<rules::Rules>,
     /// Per-interface settings of workload interfaces.
     pub sysctls: Option<sysctl::Sysctls>,
