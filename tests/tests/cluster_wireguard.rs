@@ -427,6 +427,27 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         "packets lost across node 2's restart: {summary}"
     );
 
+    // Node 2's wireguard-go dies under its running daemon: the daemon
+    // starts another (the device goes with the process) with the same key.
+    WgGoReaper::kill(&pid_file(1, &ifaces[1]));
+    let died = Instant::now();
+    let mut back = false;
+    while died.elapsed() < Duration::from_secs(15) {
+        let pid = std::fs::read_to_string(pid_file(1, &ifaces[1])).unwrap_or_default();
+        if pid != pid_before && probe(&nodes[0].pod, PODS[1], Probe::Icmp) {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        back,
+        "no new wireguard-go on node 2, or A -> B did not come back"
+    );
+    let wg = stdout(&nodes[1].ns, "wg", &["show", &ifaces[1], "public-key"])?;
+    assert_eq!(wg.trim(), keys[1][0]);
+    eprintln!("node 2's wireguard-go replaced in {:?}", died.elapsed());
+
     // A third node claiming node 2's key: neither is programmed (status
     // says why).
     let c1 = || async { daemons[0].as_ref().expect("running").connect().await };

@@ -358,6 +358,30 @@ impl WgSeam for WgNetlink {
         self.links.write(op)
     }
 
+    /// A persistent keepalive switched on sends a keepalive at once (the
+    /// kernel's `set_peer` and wireguard-go's UAPI both do), which needs a
+    /// session, which starts a handshake; switched off again right after,
+    /// the handshake goes on. (`wg set … persistent-keepalive 1` then `0`.)
+    fn nudge(
+        &mut self,
+        name: &str,
+        carrier: Carrier,
+        peers: &[PublicKey],
+    ) -> Result<(), BackendError> {
+        let iface = iface(name)?;
+        for interval in [1, 0] {
+            let mut u = DeviceUpdate::new();
+            for k in peers {
+                u = u.add_peer(
+                    PeerConfigBuilder::new(&Key(k.0)).set_persistent_keepalive_interval(interval),
+                );
+            }
+            u.apply(&iface, carrier_backend(carrier))
+                .map_err(|e| io(format!("starting handshakes on {name}"), e))?;
+        }
+        Ok(())
+    }
+
     fn describe(&self, name: &str) -> Option<String> {
         if let Some(c) = self.children.get(name) {
             return Some(format!("wireguard-go pid {}", c.id()));

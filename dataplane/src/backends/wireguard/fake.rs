@@ -132,6 +132,11 @@ impl WgSeam for Seam {
         }
         Ok(())
     }
+    fn nudge(&mut self, name: &str, _c: Carrier, peers: &[PublicKey]) -> Result<(), BackendError> {
+        let mut f = self.0.lock().unwrap();
+        f.log.push(format!("nudge {name} {}", peers.len()));
+        Ok(())
+    }
     fn describe(&self, _name: &str) -> Option<String> {
         None
     }

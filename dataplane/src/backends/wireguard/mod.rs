@@ -95,6 +95,14 @@ pub trait WgSeam: Send + std::fmt::Debug {
     ) -> Result<(), BackendError>;
     /// MTU, up, addresses.
     fn link_op(&mut self, op: &VxlanOp) -> Result<(), BackendError>;
+    /// Makes the device shake hands with these peers now rather than when
+    /// it next has a packet for them.
+    fn nudge(
+        &mut self,
+        name: &str,
+        carrier: Carrier,
+        peers: &[PublicKey],
+    ) -> Result<(), BackendError>;
     /// More about what carries `name` (the `wireguard-go` pid), for status.
     fn describe(&self, name: &str) -> Option<String>;
     /// A new private key.
@@ -374,6 +382,7 @@ impl Wireguard {
             self.seam.delete(&name, l.index)?;
             link = None;
         }
+        let made = link.is_none();
         let link = match link {
             Some(l) => l,
             None => {
@@ -433,6 +442,14 @@ impl Wireguard {
             );
             self.seam.configure(&name, carrier, &change)?;
             change.apply_to(&mut observed);
+            // A device made again (its wireguard-go died, the daemon
+            // restarted without it) starts with no sessions while the
+            // peers still hold theirs: they would only notice after
+            // WireGuard's 15 s rekey timeout. A handshake now ends that.
+            if made && !want.peers.is_empty() {
+                let peers: Vec<PublicKey> = want.peers.keys().copied().collect();
+                self.seam.nudge(&name, carrier, &peers)?;
+            }
             if !change.upsert.is_empty() {
                 self.families[i].poll_until = Some(now + HANDSHAKE_POLL_FOR);
             }

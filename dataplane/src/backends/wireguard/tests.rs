@@ -52,6 +52,8 @@ fn kernel_device_with_key_peers_address_and_mtu() {
         assert_eq!(d.listen_port, Some(51820));
         assert_eq!(d.fwmark, Some(0x20_0000));
         assert_eq!(d.peers.len(), 2);
+        // A new device shakes hands with its peers at once.
+        assert_eq!(f.log.last().unwrap(), "nudge wireguard.cali 2");
     }
     let public = public_key(&[1; 32]).to_base64();
     assert_eq!(
