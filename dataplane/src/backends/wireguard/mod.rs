@@ -263,6 +263,16 @@ impl Wireguard {
         std::mem::take(&mut self.events)
     }
 
+    /// Announces version `v`'s key again (the calc graph holds another one
+    /// for this node: Felix sends its own again then).
+    pub fn reannounce(&mut self, v: IpVersion) {
+        let f = &self.families[idx(v)];
+        if let Some(k) = &f.announced {
+            info!(version = f.label(), public_key = %k, "WireGuard public key again: the calc graph has another");
+            self.events.push((f.version, k.clone()));
+        }
+    }
+
     fn announce(&mut self, i: usize, key: String) {
         let f = &mut self.families[i];
         if f.announced.as_deref() != Some(key.as_str()) {

@@ -104,6 +104,8 @@ pub struct WireguardManager {
     peers: [BTreeMap<Id, (PublicKey, SocketAddr)>; 2],
     /// This node's blocks (not single addresses), as of the last full pass.
     local_blocks: BTreeSet<IpNet>,
+    /// Versions for which the calc graph just told us this node's key.
+    own_key_told: BTreeSet<IpVersion>,
     /// Our own public keys as the backend last announced them.
     own_keys: [Option<String>; 2],
     /// Why a node is not a peer, per version.
@@ -148,6 +150,7 @@ impl WireguardManager {
             dirty_nodes: BTreeSet::new(),
             peers: [BTreeMap::new(), BTreeMap::new()],
             local_blocks: BTreeSet::new(),
+            own_key_told: BTreeSet::new(),
             own_keys: [None, None],
             not_programmed: [BTreeMap::new(), BTreeMap::new()],
             summary: [BTreeMap::new(), BTreeMap::new()],
@@ -264,9 +267,15 @@ impl Manager for WireguardManager {
                 self.hosts.remove(h);
             }
             Update::WireguardEndpoint(e) => {
+                if e.hostname.as_str() == self.hostname() {
+                    self.own_key_told.insert(IpVersion::V4);
+                }
                 self.endpoints[0].insert(e.hostname.clone(), e.clone());
             }
             Update::WireguardEndpointV6(e) => {
+                if e.hostname.as_str() == self.hostname() {
+                    self.own_key_told.insert(IpVersion::V6);
+                }
                 self.endpoints[1].insert(e.hostname.clone(), e.clone());
             }
             Update::Remove(Key::WireguardEndpoint(h)) => {
@@ -352,6 +361,21 @@ impl Manager for WireguardManager {
             if k != self.own_keys[idx(v)] {
                 self.own_keys[idx(v)] = k;
                 self.all_dirty = true;
+            }
+        }
+        // The calc graph says this node has another key than ours (a key
+        // it has not heard of yet, or a stale one): say ours again, as
+        // Felix does.
+        for v in std::mem::take(&mut self.own_key_told) {
+            let told = self.endpoints[idx(v)]
+                .get(self.hostname())
+                .and_then(|e| e.public_key)
+                .map(|k| PublicKey(k).to_base64());
+            let ours = self.own_keys[idx(v)].as_deref().filter(|k| !k.is_empty());
+            if let (Some(told), Some(ours)) = (told, ours)
+                && told != ours
+            {
+                wg.reannounce(v);
             }
         }
         if !self.all_dirty {

@@ -434,3 +434,36 @@ fn route_changes_are_worked_out_alone_and_agree_with_a_full_pass() {
         assert_eq!(incremental, !first_of_node, "after {:?}", seen.last());
     }
 }
+
+#[test]
+fn a_stale_key_for_this_node_gets_ours_announced_again() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    k.wireguard
+        .as_mut()
+        .unwrap()
+        .apply(crate::backends::Phase::Links)
+        .unwrap();
+    let ours = public_key(&[1; 32]).to_base64();
+    let first = k.wireguard.as_mut().unwrap().take_events();
+    assert_eq!(first[0], (IpVersion::V4, ours.clone()));
+    m.complete_deferred_work(&mut k).unwrap();
+    // The calc graph still has the key of node-a's earlier life ([1; 32]
+    // as a public key is not ours).
+    m.on_update(&wg("node-a", 1, "10.65.0.1"));
+    m.complete_deferred_work(&mut k).unwrap();
+    assert_eq!(
+        k.wireguard.as_mut().unwrap().take_events(),
+        vec![(IpVersion::V4, ours.clone())]
+    );
+    // Once it has ours, nothing more.
+    m.on_update(&Update::WireguardEndpoint(WireguardEndpoint {
+        hostname: id("node-a"),
+        public_key: Some(public_key(&[1; 32]).0),
+        interface_addr: Some("10.65.0.1".parse().unwrap()),
+    }));
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(k.wireguard.as_mut().unwrap().take_events().is_empty());
+}
