@@ -17,6 +17,7 @@ use dphandler_dataplane::backends::rules::{Rules, netlink::RuleNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::wireguard::{Wireguard, device::WgNetlink, keys::KeyStore};
+use dphandler_dataplane::backends::xdp::{BpfSeam, Xdp};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
@@ -24,6 +25,7 @@ use dphandler_dataplane::managers::{
     ipsets::IpSetsManager,
     routes::{RoutesConfig, RoutesManager, VXLAN_V4, VXLAN_V6, VxlanMode},
     wireguard::{WireguardConfig, WireguardManager},
+    xdp::{XdpManager, proto_number},
 };
 use dphandler_dataplane::model::{
     IfaceName, IpVersion,
@@ -230,6 +232,18 @@ struct ServeArgs {
     /// wireguard-go's pid and log); empty: nowhere.
     #[arg(long, env = "DPH_STATE_DIR", default_value = "/var/lib/dphandler")]
     state_dir: PathBuf,
+    /// XDP acceleration of untracked ingress deny on host endpoints
+    /// (Felix's XDPEnabled): `enabled` or `disabled` (then an earlier run's
+    /// XDP programs are removed).
+    #[arg(long, env = "DPH_XDP", default_value = "enabled", value_parser = ["enabled", "disabled"])]
+    xdp: String,
+    /// Where the XDP programs' links and maps are pinned (a bpffs; mounted
+    /// there if it is not one).
+    #[arg(long, env = "DPH_BPFFS", default_value = "/sys/fs/bpf")]
+    bpffs: PathBuf,
+    /// Seconds between checks of the XDP programs and maps (0: never).
+    #[arg(long, env = "DPH_XDP_REFRESH_SECONDS", default_value_t = 90.0)]
+    xdp_refresh_seconds: f64,
     /// Seconds between re-reads of our routes (0: never).
     #[arg(long, env = "DPH_ROUTE_REFRESH_SECONDS", default_value_t = 90.0)]
     route_refresh_seconds: f64,
@@ -367,6 +381,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ipset_refresh: secs(args.ipset_refresh_seconds, "--ipset-refresh-seconds")?,
         iptables_refresh: secs(args.iptables_refresh_seconds, "--iptables-refresh-seconds")?,
         route_refresh: secs(args.route_refresh_seconds, "--route-refresh-seconds")?,
+        xdp_refresh: secs(args.xdp_refresh_seconds, "--xdp-refresh-seconds")?,
         retry_interval: secs(args.retry_seconds, "--retry-seconds")?,
         ..LoopConfig::default()
     };
@@ -475,6 +490,28 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .context("--wireguard-table")?,
         );
     }
+    let xdp_enabled = args.xdp == "enabled";
+    if !args.dry_run {
+        // The backend runs even with XDP off: it removes an earlier run's
+        // programs.
+        match dphandler_bpf::ensure_bpffs(&args.bpffs) {
+            Ok(true) => info!(bpffs = %args.bpffs.display(), "mounted a bpffs"),
+            Ok(false) => {}
+            Err(e) => {
+                warn!(bpffs = %args.bpffs.display(), error = %e, "no bpffs: XDP programs cannot be pinned")
+            }
+        }
+        let failsafe = args
+            .failsafe_inbound
+            .0
+            .iter()
+            .filter_map(|(p, port)| Some((proto_number(p)?, *port)))
+            .collect();
+        kernel.xdp = Some(Xdp::new(
+            Box::new(BpfSeam::new(args.bpffs.clone())),
+            failsafe,
+        ));
+    }
     kernel.sysctls = Some(Sysctls::new("/proc/sys"));
     let node = NodeSettings::new("/proc/sys", args.ip_forwarding, args.ipv6);
     match args.ip_forwarding {
@@ -502,7 +539,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             iface: args.wireguard_interface_v6.clone(),
         },
     ];
-    let managers: Vec<Box<dyn Manager>> = vec![
+    let mut managers: Vec<Box<dyn Manager>> = vec![
         Box::new(
             IpSetsManager::new(args.max_ipset_size)
                 .with_host_ips(&args.workload_iface_prefix)
@@ -546,6 +583,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ipv6: args.ipv6,
         })),
     ];
+    if xdp_enabled {
+        managers.push(Box::new(XdpManager::new()));
+    }
     let (kernel, managers) = if args.dry_run {
         warn!("--dry-run: nothing will be programmed in the kernel");
         (DesiredKernel::default(), Vec::new())

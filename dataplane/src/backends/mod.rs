@@ -16,6 +16,7 @@ pub mod rules;
 pub mod sysctl;
 pub mod vxlan;
 pub mod wireguard;
+pub mod xdp;
 
 use std::time::Duration;
 
@@ -238,6 +239,8 @@ pub struct DesiredKernel {
     pub vxlan: Option<vxlan::Vxlan>,
     /// WireGuard devices and their peers.
     pub wireguard: Option<wireguard::Wireguard>,
+    /// The XDP prefilter on host interfaces.
+    pub xdp: Option<xdp::Xdp>,
     /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
     /// ip rules into the routing tables we own (WireGuard's).
@@ -260,6 +263,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .chain(self.tables.iter().map(|b| b.name()))
                     .chain(self.vxlan.iter().map(|b| b.name()))
                     .chain(self.wireguard.iter().map(|b| b.name()))
+                    .chain(self.xdp.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
                     .chain(self.rules.iter().map(|b| b.name()))
                     .chain(self.sysctls.iter().map(|b| b.name()))
@@ -278,6 +282,7 @@ impl DesiredKernel {
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.wireguard.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.xdp.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.rules.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
@@ -293,6 +298,7 @@ impl DesiredKernel {
             && self.tables.is_empty()
             && self.vxlan.is_none()
             && self.wireguard.is_none()
+            && self.xdp.is_none()
             && self.routes.is_none()
             && self.rules.is_none()
             && self.sysctls.is_none()

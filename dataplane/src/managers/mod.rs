@@ -8,6 +8,7 @@ pub mod ipsets;
 pub mod nat;
 pub mod routes;
 pub mod wireguard;
+pub mod xdp;
 
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;

@@ -1,0 +1,319 @@
+//! XDP acceleration of untracked ingress deny on host endpoints (Felix's
+//! `xdp_state.go`): for a host endpoint on a named interface whose first
+//! untracked ingress policy begins with a deny rule matching nothing but
+//! source IP sets and/or source CIDRs (Felix: exactly one IPv4 set; here
+//! sets and CIDRs, both families), the interface's XDP blocklist holds
+//! those sets' members and CIDRs. Everything else stays with iptables; the
+//! raw-table rules of the same policy are programmed either way, so
+//! correctness never depends on XDP. No I/O: the blocklists are queued into
+//! the XDP backend.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+
+use super::{Manager, ManagerError};
+use crate::backends::DesiredKernel;
+use crate::interfaces::InterfaceEvent;
+use crate::model::{
+    Action, HostEndpoint, HostEndpointId, HostInterface, Id, Key, Member, Policy, PolicyId, Rule,
+    Update,
+};
+
+/// The protocol numbers of failsafe port names.
+pub fn proto_number(name: &str) -> Option<u8> {
+    match name {
+        "tcp" => Some(6),
+        "udp" => Some(17),
+        "sctp" => Some(132),
+        _ => None,
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct XdpManager {
+    heps: BTreeMap<HostEndpointId, HostEndpoint>,
+    policies: BTreeMap<PolicyId, Policy>,
+    /// IP and CIDR members of every IP set (a policy may name a set that
+    /// came first).
+    sets: BTreeMap<Id, BTreeSet<IpNet>>,
+    links: BTreeSet<String>,
+    link_events: BTreeSet<String>,
+    dirty: bool,
+}
+
+/// A deny rule matching only source sets and/or source CIDRs.
+fn accelerable(r: &Rule) -> bool {
+    if r.action() != Action::Deny || (r.src_ip_set_ids.is_empty() && r.src_net.is_empty()) {
+        return false;
+    }
+    let bare = Rule {
+        action: r.action,
+        ip_version: r.ip_version,
+        src_net: r.src_net.clone(),
+        src_ip_set_ids: r.src_ip_set_ids.clone(),
+        rule_id: r.rule_id.clone(),
+        ..Rule::default()
+    };
+    bare == *r
+}
+
+fn nets(members: &[Member]) -> impl Iterator<Item = IpNet> + '_ {
+    members.iter().filter_map(|m| match m {
+        Member::Ip(ip) => Some(IpNet::from(*ip)),
+        Member::Net(n) => Some(*n),
+        Member::IpPort(..) => None,
+    })
+}
+
+impl XdpManager {
+    pub fn new() -> Self {
+        Self {
+            dirty: true,
+            ..Self::default()
+        }
+    }
+
+    /// The interface and blocklist XDP takes over for `hep`, if any.
+    fn accelerated(&self, hep: &HostEndpoint) -> Option<(String, BTreeSet<IpNet>)> {
+        let HostInterface::Named(name) = &hep.interface else {
+            return None;
+        };
+        let first = hep
+            .untracked_tiers
+            .iter()
+            .flat_map(|t| t.ingress_policies.iter())
+            .next()?;
+        let policy = self.policies.get(first).filter(|p| p.untracked)?;
+        let rule = policy.inbound_rules.first().filter(|r| accelerable(r))?;
+        let mut out: BTreeSet<IpNet> = rule.src_net.iter().copied().collect();
+        for id in &rule.src_ip_set_ids {
+            // A set not known yet: nothing of it to drop (iptables holds
+            // the rule back the same way).
+            if let Some(s) = self.sets.get(id) {
+                out.extend(s.iter().copied());
+            }
+        }
+        Some((name.as_str().to_string(), out))
+    }
+
+    /// The blocklist per interface.
+    pub fn desired(&self) -> BTreeMap<String, BTreeSet<IpNet>> {
+        let mut out: BTreeMap<String, BTreeSet<IpNet>> = BTreeMap::new();
+        for hep in self.heps.values() {
+            if let Some((iface, b)) = self.accelerated(hep) {
+                out.entry(iface).or_default().extend(b);
+            }
+        }
+        out
+    }
+}
+
+impl Manager for XdpManager {
+    fn name(&self) -> &'static str {
+        "xdp"
+    }
+
+    fn on_update(&mut self, update: &Update) {
+        match update {
+            Update::HostEndpoint(id, h) => {
+                self.heps.insert(id.clone(), h.clone());
+            }
+            Update::Remove(Key::HostEndpoint(id)) => {
+                self.heps.remove(id);
+            }
+            Update::Policy(id, p) => {
+                self.policies.insert(id.clone(), p.clone());
+            }
+            Update::Remove(Key::Policy(id)) => {
+                self.policies.remove(id);
+            }
+            Update::IpSetUpdate(s) => {
+                self.sets.insert(s.id.clone(), nets(&s.members).collect());
+            }
+            Update::IpSetDeltaUpdate(d) => {
+                let set = self.sets.entry(d.id.clone()).or_default();
+                for n in nets(&d.removed) {
+                    set.remove(&n);
+                }
+                set.extend(nets(&d.added));
+            }
+            Update::Remove(Key::IpSet(id)) => {
+                self.sets.remove(id);
+            }
+            _ => return,
+        }
+        self.dirty = true;
+    }
+
+    fn on_interface(&mut self, event: &InterfaceEvent) {
+        match event {
+            InterfaceEvent::Link { name, .. } if self.links.insert(name.clone()) => {
+                self.link_events.insert(name.clone());
+            }
+            InterfaceEvent::LinkRemoved { name, .. } => {
+                self.links.remove(name);
+            }
+            _ => {}
+        }
+    }
+
+    fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
+        let Some(x) = &mut kernel.xdp else {
+            return Ok(());
+        };
+        for name in std::mem::take(&mut self.link_events) {
+            x.link_changed(&name);
+        }
+        if !self.dirty {
+            return Ok(());
+        }
+        self.dirty = false;
+        let want = self.desired();
+        let old: Vec<String> = x
+            .desired()
+            .keys()
+            .filter(|i| !want.contains_key(*i))
+            .cloned()
+            .collect();
+        for iface in old {
+            x.set(&iface, None);
+        }
+        for (iface, b) in want {
+            x.set(&iface, Some(b));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{IpSet, IpSetDelta, IpSetType, TierDefault, TierInfo};
+
+    fn id(s: &str) -> Id {
+        Id::new(s).unwrap()
+    }
+
+    fn pid(s: &str) -> PolicyId {
+        PolicyId {
+            name: id(s),
+            namespace: None,
+            kind: None,
+        }
+    }
+
+    fn hep(iface: &str, policy: &str) -> Update {
+        Update::HostEndpoint(
+            HostEndpointId(id("h")),
+            HostEndpoint {
+                interface: HostInterface::Named(crate::model::IfaceName::new(iface).unwrap()),
+                profile_ids: vec![],
+                tiers: vec![],
+                untracked_tiers: vec![TierInfo {
+                    name: id("t"),
+                    ingress_policies: vec![pid(policy)],
+                    egress_policies: vec![],
+                    default_action: TierDefault::Deny,
+                }],
+                pre_dnat_tiers: vec![],
+                forward_tiers: vec![],
+                expected_ipv4_addrs: vec![],
+                expected_ipv6_addrs: vec![],
+            },
+        )
+    }
+
+    fn policy(name: &str, untracked: bool, rule: Rule) -> Update {
+        Update::Policy(
+            pid(name),
+            Policy {
+                inbound_rules: vec![rule],
+                untracked,
+                ..Policy::default()
+            },
+        )
+    }
+
+    fn deny_from(sets: &[&str], nets: &[&str]) -> Rule {
+        Rule {
+            action: Some(Action::Deny),
+            src_ip_set_ids: sets.iter().map(|s| id(s)).collect(),
+            src_net: nets.iter().map(|n| n.parse().unwrap()).collect(),
+            ..Rule::default()
+        }
+    }
+
+    fn set(name: &str, members: &[&str]) -> Update {
+        Update::IpSetUpdate(IpSet {
+            id: id(name),
+            set_type: IpSetType::Net,
+            members: members
+                .iter()
+                .map(|m| Member::Net(m.parse().unwrap()))
+                .collect(),
+        })
+    }
+
+    fn list(m: &XdpManager) -> Vec<(String, Vec<String>)> {
+        m.desired()
+            .into_iter()
+            .map(|(i, b)| (i, b.iter().map(ToString::to_string).collect()))
+            .collect()
+    }
+
+    #[test]
+    fn untracked_deny_of_sources_is_accelerated() {
+        let mut m = XdpManager::new();
+        for u in [
+            set("bad", &["10.1.0.0/16", "fd00:bad::/64"]),
+            policy("p", true, deny_from(&["bad"], &["192.0.2.7/32"])),
+            hep("eth0", "p"),
+        ] {
+            m.on_update(&u);
+        }
+        assert_eq!(
+            list(&m),
+            vec![(
+                "eth0".to_string(),
+                vec![
+                    "10.1.0.0/16".to_string(),
+                    "192.0.2.7/32".to_string(),
+                    "fd00:bad::/64".to_string()
+                ]
+            )]
+        );
+        // Members come and go as deltas.
+        m.on_update(&Update::IpSetDeltaUpdate(IpSetDelta {
+            id: id("bad"),
+            added: vec![Member::Ip("10.9.9.9".parse().unwrap())],
+            removed: vec![Member::Net("10.1.0.0/16".parse().unwrap())],
+        }));
+        assert_eq!(
+            list(&m)[0].1,
+            vec!["10.9.9.9/32", "192.0.2.7/32", "fd00:bad::/64"]
+        );
+    }
+
+    #[test]
+    fn anything_else_stays_with_iptables() {
+        let mut with_port = deny_from(&["bad"], &[]);
+        with_port.protocol = Some(crate::model::Protocol(6));
+        let allow = Rule {
+            action: Some(Action::Allow),
+            ..deny_from(&["bad"], &[])
+        };
+        for (untracked, rule) in [
+            (false, deny_from(&["bad"], &[])),
+            (true, with_port),
+            (true, allow),
+            (true, deny_from(&[], &[])),
+        ] {
+            let mut m = XdpManager::new();
+            m.on_update(&set("bad", &["10.1.0.0/16"]));
+            m.on_update(&policy("p", untracked, rule.clone()));
+            m.on_update(&hep("eth0", "p"));
+            assert!(m.desired().is_empty(), "{untracked} {rule:?}");
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! XDP through the real daemon: a "host" namespace whose `eth0` (a veth)
+//! faces a "client" namespace (10.89.0.2 and .3); a host endpoint on
+//! `eth0` with an untracked policy that denies sources in an IP set. The
+//! daemon pins under a bpffs the test mounts on a temporary directory of
+//! its own (`ip netns exec` mounts a fresh `/sys`, so `/sys/fs/bpf` would
+//! not outlive one daemon). Needs root.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use dphandler_tests::lab::{in_ns, yaml_msgs};
+use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
+
+/// A bpffs of the test's own, unmounted on drop.
+struct Bpffs(tempfile::TempDir);
+
+impl Bpffs {
+    fn new() -> Result<Self> {
+        let d = tempfile::tempdir()?;
+        nix::mount::mount(
+            Some("bpf"),
+            d.path(),
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .context("mounting a bpffs")?;
+        Ok(Self(d))
+    }
+
+    fn path(&self) -> PathBuf {
+        self.0.path().to_path_buf()
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn lab() -> Result<(Netns, Netns)> {
+    let host = Netns::new("xh")?;
+    let client = Netns::new("xc")?;
+    host.run(
+        "ip",
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &client.0,
+        ],
+    )?;
+    for (ns, addrs) in [
+        (&host, &["10.89.0.1/24"][..]),
+        (&client, &["10.89.0.2/24", "10.89.0.3/24"][..]),
+    ] {
+        ns.run("ip", &["link", "set", "lo", "up"])?;
+        for a in addrs {
+            ns.run("ip", &["addr", "add", a, "dev", "eth0"])?;
+        }
+        ns.run("ip", &["link", "set", "eth0", "up"])?;
+    }
+    Ok((host, client))
+}
+
+fn ping(from: &Netns, src: &str) -> bool {
+    from.command("ping")
+        .args(["-c", "1", "-W", "0.5", "-I", src, "10.89.0.1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn stdout(ns: &Netns, prog: &str, args: &[&str]) -> Result<String> {
+    Ok(String::from_utf8_lossy(&ns.run(prog, args)?.stdout).into_owned())
+}
+
+/// The set, the untracked deny of it, a profile that lets everything else
+/// in, and the host endpoint on `eth0` with both.
+const SNAPSHOT: &str = "ipsetUpdate: {id: 's:bad', type: NET, members: ['10.89.0.2/32']}\n---\n\
+activeProfileUpdate:\n  id: {name: allow}\n  profile:\n    inboundRules: [{action: allow}]\n    outboundRules: [{action: allow}]\n---\n\
+activePolicyUpdate:\n  id: {name: default.xdp}\n  policy:\n    tier: default\n    untracked: true\n    inboundRules: [{action: deny, srcIpSetIds: ['s:bad']}]\n---\n\
+hostEndpointUpdate:\n  id: {endpointId: up}\n  endpoint:\n    name: eth0\n    profileIds: [allow]\n    untrackedTiers:\n      - name: default\n        ingressPolicies: [{name: default.xdp}]\n        defaultAction: pass\n---\n\
+inSync: {}\n";
+
+async fn details(d: &Daemon) -> Result<std::collections::HashMap<String, String>> {
+    Ok(d.connect()
+        .await?
+        .get_status(dphandler_proto::v1::GetStatusRequest {})
+        .await?
+        .into_inner()
+        .details)
+}
+
+/// Packets counted by our raw-table rules that drop the set's members.
+fn raw_drops(host: &Netns) -> Result<u64> {
+    let out = stdout(host, "iptables-save", &["-c", "-t", "raw"])?;
+    Ok(out
+        .lines()
+        .filter(|l| l.contains("s:bad") || l.contains("dph40"))
+        .filter(|l| l.contains("DROP"))
+        .filter_map(|l| l.strip_prefix('[')?.split(':').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+#[tokio::test]
+async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let fs = Bpffs::new()?;
+    let dir = tempdir()?;
+    let (host, client) = lab()?;
+    let bpffs = fs.path().display().to_string();
+    let args = ["--hostname", "n1", "--bpffs", bpffs.as_str()];
+    let d = Daemon::start(&host, &dir.path().join("d.sock"), &args)?;
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+
+    let link = stdout(&host, "ip", &["-d", "link", "show", "eth0"])?;
+    assert!(link.contains("prog/xdp"), "{link}");
+    assert!(!ping(&client, "10.89.0.2"), "a member is dropped");
+    assert!(ping(&client, "10.89.0.3"), "a non-member passes");
+    // Dropped by XDP, before the raw table sees it (status reads the
+    // counters every 5 s).
+    let mut x = String::new();
+    for _ in 0..80 {
+        x = details(&d).await?["xdp.eth0"].clone();
+        if !x.contains("dropped 0 pkts") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(x.starts_with("driver, 1 prefixes"), "{x}");
+    assert!(!x.contains("dropped 0 pkts"), "{x}");
+    assert_eq!(raw_drops(&host)?, 0, "the raw table saw the packet");
+    // A failsafe port still reaches the host from the member.
+    let listener = in_ns(&host.0, || TcpListener::bind("10.89.0.1:22"))?;
+    let ok = in_ns(&client.0, || {
+        let to: SocketAddr = "10.89.0.1:22".parse().unwrap();
+        TcpStream::connect_timeout(&to, Duration::from_secs(2)).is_ok()
+    });
+    drop(listener);
+    assert!(ok, "failsafe port from a listed source");
+
+    // A restart: a flood from the member across it is dropped throughout.
+    let flood = client
+        .command("ping")
+        .args([
+            "-q",
+            "-i",
+            "0.01",
+            "-c",
+            "200",
+            "-I",
+            "10.89.0.2",
+            "10.89.0.1",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.stop()?;
+    let d = Daemon::start(&host, &dir.path().join("d2.sock"), &args)?;
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let summary = String::from_utf8_lossy(&flood.wait_with_output()?.stdout).into_owned();
+    assert!(summary.contains("100% packet loss"), "{summary}");
+    assert!(details(&d).await?["xdp.eth0"].starts_with("adopted"));
+
+    // The member leaves the set: through within one apply.
+    let (rej, _) = push(
+        &mut d.connect().await?,
+        yaml_msgs(
+            100,
+            "ipsetDeltaUpdate: {id: 's:bad', removedMembers: ['10.89.0.2/32']}\n",
+        ),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    assert!(ping(&client, "10.89.0.2"), "no longer listed");
+
+    // The policy goes: XDP is detached, its pins removed.
+    let (rej, _) = push(
+        &mut d.connect().await?,
+        yaml_msgs(
+            200,
+            "hostEndpointUpdate:\n  id: {endpointId: up}\n  endpoint:\n    name: eth0\n    profileIds: [allow]\n",
+        ),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let link = stdout(&host, "ip", &["-d", "link", "show", "eth0"])?;
+    assert!(!link.contains("prog/xdp"), "{link}");
+    assert!(!fs.path().join("dphandler/xdp/eth0").exists());
+    Ok(())
+}
+
+/// An interface where our program cannot attach (another agent's XDP is
+/// there): the reason is in status and the raw table drops the same
+/// packets.
+#[tokio::test]
+async fn where_xdp_cannot_attach_the_raw_table_drops() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let fs = Bpffs::new()?;
+    let other = Bpffs::new()?;
+    let dir = tempdir()?;
+    let (host, client) = lab()?;
+    // Someone else's XDP program (ours, pinned elsewhere) holds eth0.
+    let o = other.path();
+    let theirs = in_ns(&host.0, move || {
+        dphandler_bpf::Filter::attach(&o, "eth0", &[dphandler_bpf::Mode::Driver])
+    })?;
+    let bpffs = fs.path().display().to_string();
+    let d = Daemon::start(
+        &host,
+        &dir.path().join("d.sock"),
+        &["--hostname", "n1", "--bpffs", bpffs.as_str()],
+    )?;
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let x = details(&d).await?["xdp.eth0"].clone();
+    assert!(
+        x.starts_with("not programmed (the raw table drops instead)"),
+        "{x}"
+    );
+    let before = raw_drops(&host)?;
+    assert!(!ping(&client, "10.89.0.2"), "dropped by the raw table");
+    assert!(raw_drops(&host)? > before, "the raw table counted it");
+    assert!(ping(&client, "10.89.0.3"));
+    theirs.detach()?;
+    Ok(())
+}
