@@ -117,8 +117,17 @@ impl Xdp {
     }
 
     fn apply_iface(&mut self, iface: &str, want: &BTreeSet<IpNet>) {
+        // The refresh attaches again: the program is swapped into our
+        // pinned link, or, if the link was detached meanwhile, attached
+        // anew; the maps are read back.
+        let again = if self.reread {
+            self.applied.remove(iface).map(|a| a.mode)
+        } else {
+            None
+        };
         if !self.applied.contains_key(iface) {
             let mode = match self.seam.attach(iface) {
+                Ok(m) if m == "adopted" => again.unwrap_or(m),
                 Ok(m) => m,
                 Err(why) => return self.wipe(iface, why),
             };
@@ -138,15 +147,6 @@ impl Xdp {
                     verdicts: Verdicts::default(),
                 },
             );
-        } else if self.reread {
-            match self.seam.read(iface) {
-                Ok(h) => {
-                    if let Some(a) = self.applied.get_mut(iface) {
-                        a.blocklist = h;
-                    }
-                }
-                Err(why) => return self.wipe(iface, why),
-            }
         }
         let have = &self.applied[iface].blocklist;
         let add: Vec<IpNet> = want.difference(have).copied().collect();
@@ -335,5 +335,132 @@ impl XdpSeam for BpfSeam {
 
     fn verdicts(&mut self, iface: &str) -> Result<Verdicts, String> {
         self.filter(iface)?.verdicts().map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Debug, Default)]
+    struct Fake {
+        pinned: Vec<String>,
+        refuse: BTreeSet<String>,
+        maps: BTreeMap<String, BTreeSet<IpNet>>,
+        log: Vec<String>,
+    }
+
+    #[derive(Debug)]
+    struct Seam(Arc<Mutex<Fake>>);
+
+    impl XdpSeam for Seam {
+        fn pinned(&mut self) -> Vec<String> {
+            self.0.lock().unwrap().pinned.clone()
+        }
+        fn attach(&mut self, iface: &str) -> Result<String, String> {
+            let mut f = self.0.lock().unwrap();
+            f.log.push(format!("attach {iface}"));
+            if f.refuse.contains(iface) {
+                return Err(format!("{iface}: XDP cannot attach here"));
+            }
+            f.maps.entry(iface.into()).or_default();
+            Ok("driver".into())
+        }
+        fn detach(&mut self, iface: &str) -> Result<(), String> {
+            let mut f = self.0.lock().unwrap();
+            f.log.push(format!("detach {iface}"));
+            f.maps.remove(iface);
+            f.pinned.retain(|p| p != iface);
+            Ok(())
+        }
+        fn set_failsafe(&mut self, _iface: &str, _ports: &[(u8, u16)]) -> Result<(), String> {
+            Ok(())
+        }
+        fn update(&mut self, iface: &str, add: &[IpNet], remove: &[IpNet]) -> Result<(), String> {
+            let mut f = self.0.lock().unwrap();
+            f.log
+                .push(format!("update {iface} +{} -{}", add.len(), remove.len()));
+            let m = f.maps.get_mut(iface).ok_or("not attached")?;
+            for n in remove {
+                m.remove(n);
+            }
+            m.extend(add.iter().copied());
+            Ok(())
+        }
+        fn read(&mut self, iface: &str) -> Result<BTreeSet<IpNet>, String> {
+            Ok(self
+                .0
+                .lock()
+                .unwrap()
+                .maps
+                .get(iface)
+                .cloned()
+                .unwrap_or_default())
+        }
+        fn verdicts(&mut self, _iface: &str) -> Result<Verdicts, String> {
+            Ok(Verdicts::default())
+        }
+    }
+
+    fn nets(v: &[&str]) -> BTreeSet<IpNet> {
+        v.iter().map(|n| n.parse().unwrap()).collect()
+    }
+
+    fn backend(f: &Arc<Mutex<Fake>>) -> Xdp {
+        Xdp::new(Box::new(Seam(f.clone())), vec![(6, 22)])
+    }
+
+    #[test]
+    fn deltas_stale_pins_and_a_failed_attach() {
+        let f = Arc::new(Mutex::new(Fake {
+            pinned: vec!["old0".into()],
+            refuse: ["bad0".to_string()].into(),
+            ..Fake::default()
+        }));
+        let mut x = backend(&f);
+        x.set("eth0", Some(nets(&["10.0.0.1/32", "10.0.0.2/32"])));
+        x.set("bad0", Some(nets(&["10.0.0.1/32"])));
+        x.apply(Phase::Links).unwrap();
+        {
+            let f = f.lock().unwrap();
+            assert_eq!(
+                f.log,
+                [
+                    "detach old0",
+                    "attach bad0",
+                    "detach bad0",
+                    "attach eth0",
+                    "update eth0 +2 -0"
+                ]
+            );
+        }
+        let st: BTreeMap<String, String> = x.status().into_iter().collect();
+        assert!(st["xdp.bad0"].starts_with("not programmed"), "{st:?}");
+        assert!(st["xdp.eth0"].starts_with("driver, 2 prefixes"), "{st:?}");
+        // A member goes: one delta, no reattach.
+        x.set("eth0", Some(nets(&["10.0.0.2/32"])));
+        x.apply(Phase::Links).unwrap();
+        assert_eq!(f.lock().unwrap().log.last().unwrap(), "update eth0 +0 -1");
+        // Someone edits the map: the refresh reads it and puts it right.
+        f.lock()
+            .unwrap()
+            .maps
+            .get_mut("eth0")
+            .unwrap()
+            .insert("192.0.2.1/32".parse().unwrap());
+        x.request_resync(Refresh::Xdp);
+        x.apply(Phase::Links).unwrap();
+        assert_eq!(f.lock().unwrap().maps["eth0"], nets(&["10.0.0.2/32"]));
+        // ... attaching again (a detached program comes back), keeping the
+        // mode it had.
+        assert!(f.lock().unwrap().log.iter().filter(|l| *l == "attach eth0").count() == 2);
+        let st: BTreeMap<String, String> = x.status().into_iter().collect();
+        assert!(st["xdp.eth0"].starts_with("driver"), "{st:?}");
+        // The refresh also tried bad0 again; unwanted: detached.
+        x.set("eth0", None);
+        x.apply(Phase::Links).unwrap();
+        assert!(!f.lock().unwrap().maps.contains_key("eth0"));
+        assert!(x.status().iter().all(|(k, _)| k != "xdp.eth0"));
     }
 }
