@@ -454,7 +454,15 @@ mod tests {
         assert_eq!(f.lock().unwrap().maps["eth0"], nets(&["10.0.0.2/32"]));
         // ... attaching again (a detached program comes back), keeping the
         // mode it had.
-        assert!(f.lock().unwrap().log.iter().filter(|l| *l == "attach eth0").count() == 2);
+        assert!(
+            f.lock()
+                .unwrap()
+                .log
+                .iter()
+                .filter(|l| *l == "attach eth0")
+                .count()
+                == 2
+        );
         let st: BTreeMap<String, String> = x.status().into_iter().collect();
         assert!(st["xdp.eth0"].starts_with("driver"), "{st:?}");
         // The refresh also tried bad0 again; unwanted: detached.
