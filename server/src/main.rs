@@ -584,7 +584,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         })),
     ];
     if xdp_enabled {
-        managers.push(Box::new(XdpManager::new()));
+        managers.push(Box::new(XdpManager::new(&args.workload_iface_prefix)));
     }
     let (kernel, managers) = if args.dry_run {
         warn!("--dry-run: nothing will be programmed in the kernel");

@@ -11,6 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use dphandler_bpf::Filter;
 use dphandler_tests::lab::{in_ns, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
@@ -232,5 +233,36 @@ async fn where_xdp_cannot_attach_the_raw_table_drops() -> Result<()> {
     assert!(raw_drops(&host)? > before, "the raw table counted it");
     assert!(ping(&client, "10.89.0.3"));
     theirs.detach()?;
+    Ok(())
+}
+
+/// An all-interfaces (`*`) host endpoint, Calico's automatic one: XDP on
+/// every host interface but `lo`.
+#[tokio::test]
+async fn an_all_interfaces_host_endpoint_gets_xdp_on_every_interface_but_lo() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let fs = Bpffs::new()?;
+    let dir = tempdir()?;
+    let (host, client) = lab()?;
+    let bpffs = fs.path().display().to_string();
+    let d = Daemon::start(
+        &host,
+        &dir.path().join("d.sock"),
+        &["--hostname", "n1", "--bpffs", bpffs.as_str()],
+    )?;
+    let all = SNAPSHOT.replace("    name: eth0\n", "    name: \"*\"\n");
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, &all)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let eth0 = stdout(&host, "ip", &["-d", "link", "show", "eth0"])?;
+    assert!(eth0.contains("prog/xdp"), "{eth0}");
+    let lo = stdout(&host, "ip", &["-d", "link", "show", "lo"])?;
+    assert!(!lo.contains("prog/xdp"), "{lo}");
+    assert!(!ping(&client, "10.89.0.2"));
+    assert!(ping(&client, "10.89.0.3"));
+    d.stop()?;
+    // The pins outlive the daemon; a test leaves nothing behind.
+    Filter::remove(&fs.path(), "eth0")?;
     Ok(())
 }

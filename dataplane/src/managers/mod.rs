@@ -4,6 +4,7 @@
 //! [`DesiredKernel`] in `complete_deferred_work`.
 
 pub mod endpoints;
+pub mod hosts;
 pub mod ipsets;
 pub mod nat;
 pub mod routes;

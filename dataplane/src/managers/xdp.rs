@@ -1,5 +1,7 @@
 //! XDP acceleration of untracked ingress deny on host endpoints (Felix's
-//! `xdp_state.go`): for a host endpoint on a named interface whose first
+//! `xdp_state.go`): for a host endpoint's interfaces (resolved as for
+//! iptables: by name, by address, or `*` for every other interface but
+//! `lo`, see [`super::hosts`]) whose first
 //! untracked ingress policy begins with a deny rule matching nothing but
 //! source IP sets and/or source CIDRs (Felix: exactly one IPv4 set; here
 //! sets and CIDRs, both families), the interface's XDP blocklist holds
@@ -9,15 +11,16 @@
 //! the XDP backend.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 
+use super::hosts::{Interfaces, resolve};
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
 use crate::model::{
-    Action, HostEndpoint, HostEndpointId, HostInterface, Id, Key, Member, Policy, PolicyId, Rule,
-    Update,
+    Action, HostEndpoint, HostEndpointId, Id, Key, Member, Policy, PolicyId, Rule, Update,
 };
 
 /// The protocol numbers of failsafe port names.
@@ -32,12 +35,17 @@ pub fn proto_number(name: &str) -> Option<u8> {
 
 #[derive(Debug, Default)]
 pub struct XdpManager {
+    workload_prefix: String,
     heps: BTreeMap<HostEndpointId, HostEndpoint>,
     policies: BTreeMap<PolicyId, Policy>,
     /// IP and CIDR members of every IP set (a policy may name a set that
     /// came first).
     sets: BTreeMap<Id, BTreeSet<IpNet>>,
-    links: BTreeSet<String>,
+    /// Name → up, index → name, index → addresses (host endpoints by
+    /// address and `*` resolve against them).
+    links: BTreeMap<String, bool>,
+    ifaces: BTreeMap<u32, String>,
+    addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
     link_events: BTreeSet<String>,
     dirty: bool,
 }
@@ -67,18 +75,17 @@ fn nets(members: &[Member]) -> impl Iterator<Item = IpNet> + '_ {
 }
 
 impl XdpManager {
-    pub fn new() -> Self {
+    /// `workload_prefix`: workload interfaces are never host endpoints.
+    pub fn new(workload_prefix: &str) -> Self {
         Self {
+            workload_prefix: workload_prefix.to_string(),
             dirty: true,
             ..Self::default()
         }
     }
 
-    /// The interface and blocklist XDP takes over for `hep`, if any.
-    fn accelerated(&self, hep: &HostEndpoint) -> Option<(String, BTreeSet<IpNet>)> {
-        let HostInterface::Named(name) = &hep.interface else {
-            return None;
-        };
+    /// The blocklist XDP takes over for `hep`, if any.
+    fn accelerated(&self, hep: &HostEndpoint) -> Option<BTreeSet<IpNet>> {
         let first = hep
             .untracked_tiers
             .iter()
@@ -94,15 +101,37 @@ impl XdpManager {
                 out.extend(s.iter().copied());
             }
         }
-        Some((name.as_str().to_string(), out))
+        Some(out)
     }
 
     /// The blocklist per interface.
     pub fn desired(&self) -> BTreeMap<String, BTreeSet<IpNet>> {
-        let mut out: BTreeMap<String, BTreeSet<IpNet>> = BTreeMap::new();
-        for hep in self.heps.values() {
-            if let Some((iface, b)) = self.accelerated(hep) {
-                out.entry(iface).or_default().extend(b);
+        let res = resolve(
+            &self.heps,
+            Interfaces {
+                links: &self.links,
+                ifaces: &self.ifaces,
+                addrs: &self.addrs,
+            },
+            &self.workload_prefix,
+        );
+        let mut out = BTreeMap::new();
+        let mut take = |iface: &str, id: &HostEndpointId| {
+            if let Some(b) = self.heps.get(id).and_then(|h| self.accelerated(h)) {
+                out.insert(iface.to_string(), b);
+            }
+        };
+        for (iface, id) in &res.named {
+            take(iface, id);
+        }
+        if let Some(all) = &res.all {
+            for iface in self.links.keys() {
+                if iface != "lo"
+                    && !iface.starts_with(&self.workload_prefix)
+                    && !res.named.contains_key(iface)
+                {
+                    take(iface, all);
+                }
             }
         }
         out
@@ -148,13 +177,37 @@ impl Manager for XdpManager {
 
     fn on_interface(&mut self, event: &InterfaceEvent) {
         match event {
-            InterfaceEvent::Link { name, .. } if self.links.insert(name.clone()) => {
-                self.link_events.insert(name.clone());
+            InterfaceEvent::Link {
+                index, name, up, ..
+            } => {
+                if let Some(old) = self.ifaces.insert(*index, name.clone())
+                    && old != *name
+                {
+                    self.links.remove(&old);
+                    self.dirty = true;
+                }
+                if self.links.insert(name.clone(), *up).is_none() {
+                    self.link_events.insert(name.clone());
+                    self.dirty |= !self.heps.is_empty();
+                }
             }
-            InterfaceEvent::LinkRemoved { name, .. } => {
+            InterfaceEvent::LinkRemoved { index, name } => {
+                self.ifaces.remove(index);
+                self.addrs.remove(index);
                 self.links.remove(name);
+                self.dirty |= !self.heps.is_empty();
             }
-            _ => {}
+            InterfaceEvent::AddrAdded { index, addr } => {
+                self.addrs.entry(*index).or_default().insert(addr.addr());
+                self.dirty |= !self.heps.is_empty();
+            }
+            InterfaceEvent::AddrRemoved { index, addr } => {
+                if let Some(a) = self.addrs.get_mut(index) {
+                    a.remove(&addr.addr());
+                }
+                self.dirty |= !self.heps.is_empty();
+            }
+            InterfaceEvent::InSync => {}
         }
     }
 
@@ -189,7 +242,23 @@ impl Manager for XdpManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{IpSet, IpSetDelta, IpSetType, TierDefault, TierInfo};
+    use crate::model::{HostInterface, IpSet, IpSetDelta, IpSetType, TierDefault, TierInfo};
+
+    /// The host's links: lo, eth0, eth1 and a workload's.
+    fn links(m: &mut XdpManager) {
+        for (index, name) in [(1, "lo"), (2, "eth0"), (3, "eth1"), (4, "cali1")] {
+            m.on_interface(&InterfaceEvent::Link {
+                index,
+                name: name.into(),
+                up: true,
+                mtu: 1500,
+            });
+        }
+        m.on_interface(&InterfaceEvent::AddrAdded {
+            index: 3,
+            addr: "192.168.9.1/24".parse().unwrap(),
+        });
+    }
 
     fn id(s: &str) -> Id {
         Id::new(s).unwrap()
@@ -204,10 +273,18 @@ mod tests {
     }
 
     fn hep(iface: &str, policy: &str) -> Update {
+        hep_on(
+            "h",
+            HostInterface::Named(crate::model::IfaceName::new(iface).unwrap()),
+            policy,
+        )
+    }
+
+    fn hep_on(name: &str, interface: HostInterface, policy: &str) -> Update {
         Update::HostEndpoint(
-            HostEndpointId(id("h")),
+            HostEndpointId(id(name)),
             HostEndpoint {
-                interface: HostInterface::Named(crate::model::IfaceName::new(iface).unwrap()),
+                interface,
                 profile_ids: vec![],
                 tiers: vec![],
                 untracked_tiers: vec![TierInfo {
@@ -218,7 +295,7 @@ mod tests {
                 }],
                 pre_dnat_tiers: vec![],
                 forward_tiers: vec![],
-                expected_ipv4_addrs: vec![],
+                expected_ipv4_addrs: vec!["192.168.9.1".parse().unwrap()],
                 expected_ipv6_addrs: vec![],
             },
         )
@@ -264,7 +341,8 @@ mod tests {
 
     #[test]
     fn untracked_deny_of_sources_is_accelerated() {
-        let mut m = XdpManager::new();
+        let mut m = XdpManager::new("cali");
+        links(&mut m);
         for u in [
             set("bad", &["10.1.0.0/16", "fd00:bad::/64"]),
             policy("p", true, deny_from(&["bad"], &["192.0.2.7/32"])),
@@ -309,11 +387,26 @@ mod tests {
             (true, allow),
             (true, deny_from(&[], &[])),
         ] {
-            let mut m = XdpManager::new();
+            let mut m = XdpManager::new("cali");
+            links(&mut m);
             m.on_update(&set("bad", &["10.1.0.0/16"]));
             m.on_update(&policy("p", untracked, rule.clone()));
             m.on_update(&hep("eth0", "p"));
             assert!(m.desired().is_empty(), "{untracked} {rule:?}");
         }
+    }
+
+    #[test]
+    fn by_address_and_all_interfaces() {
+        let mut m = XdpManager::new("cali");
+        links(&mut m);
+        m.on_update(&set("bad", &["10.1.0.0/16"]));
+        m.on_update(&policy("p", true, deny_from(&["bad"], &[])));
+        // By address: the interface holding it (eth1).
+        m.on_update(&hep_on("a", HostInterface::ByAddress, "p"));
+        assert_eq!(m.desired().keys().collect::<Vec<_>>(), ["eth1"]);
+        // `*`: every other interface but lo and workloads.
+        m.on_update(&hep_on("b", HostInterface::All, "p"));
+        assert_eq!(m.desired().keys().collect::<Vec<_>>(), ["eth0", "eth1"]);
     }
 }

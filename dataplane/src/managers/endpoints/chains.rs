@@ -2,10 +2,10 @@
 
 use std::collections::BTreeMap;
 
-use super::hosts::Resolved;
 use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
 use crate::backends::iptables::{MAX_CHAIN_NAME, Rule};
 use crate::managers::ManagerError;
+use crate::managers::hosts::Resolved;
 use crate::managers::ipsets::VXLAN_SOURCES;
 use crate::model::{EndpointState, Id, IpVersion, TierDefault, TierInfo, WorkloadEndpoint};
 use crate::rules::{Direction, Renderer};

@@ -181,7 +181,7 @@ pub struct EndpointsManager {
     ifaces: BTreeMap<u32, String>,
     addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
     /// The host endpoints as last resolved against the interfaces.
-    resolved: hosts::Resolved,
+    resolved: crate::managers::hosts::Resolved,
     /// The status last reported per endpoint.
     reported: BTreeMap<WorkloadEndpointId, &'static str>,
     reported_hosts: BTreeMap<HostEndpointId, &'static str>,
@@ -271,7 +271,7 @@ impl EndpointsManager {
             links: BTreeMap::new(),
             ifaces: BTreeMap::new(),
             addrs: BTreeMap::new(),
-            resolved: hosts::Resolved::default(),
+            resolved: crate::managers::hosts::Resolved::default(),
             reported: BTreeMap::new(),
             reported_hosts: BTreeMap::new(),
             encap: crate::model::Encapsulation::default(),

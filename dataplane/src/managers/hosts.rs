@@ -1,0 +1,81 @@
+//! Which host endpoint polices which host interface, as Felix's
+//! `endpoint_mgr.go` resolves it: an endpoint naming an interface takes
+//! that interface; one without a name takes every interface holding one of
+//! its expected addresses; where several match, the lowest id wins. An
+//! all-interfaces (`*`) endpoint (again the lowest id) covers every other
+//! interface. Workload interfaces are never host endpoints. Shared by the
+//! endpoints manager (iptables) and the XDP manager.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use crate::model::{HostEndpoint, HostEndpointId, HostInterface};
+
+/// The outcome of resolving host endpoints against the interfaces present.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Resolved {
+    /// Interface name → the host endpoint policing it.
+    pub named: BTreeMap<String, HostEndpointId>,
+    /// The all-interfaces endpoint, if any.
+    pub all: Option<HostEndpointId>,
+}
+
+impl Resolved {
+    /// The interfaces `id` polices (`None` for the all-interfaces one).
+    pub fn interfaces_of<'a>(&'a self, id: &'a HostEndpointId) -> impl Iterator<Item = &'a str> {
+        self.named
+            .iter()
+            .filter(move |(_, h)| *h == id)
+            .map(|(n, _)| n.as_str())
+    }
+}
+
+/// The host's interfaces as the interface monitor reports them.
+#[derive(Debug, Clone, Copy)]
+pub struct Interfaces<'a> {
+    /// Name → up.
+    pub links: &'a BTreeMap<String, bool>,
+    /// Index → name.
+    pub ifaces: &'a BTreeMap<u32, String>,
+    /// Index → addresses.
+    pub addrs: &'a BTreeMap<u32, BTreeSet<IpAddr>>,
+}
+
+fn matches(hep: &HostEndpoint, iface: &str, addrs: Option<&BTreeSet<IpAddr>>) -> bool {
+    match &hep.interface {
+        HostInterface::Named(n) => n.as_str() == iface,
+        HostInterface::All => false,
+        HostInterface::ByAddress => addrs.is_some_and(|have| {
+            hep.expected_ipv4_addrs
+                .iter()
+                .chain(&hep.expected_ipv6_addrs)
+                .any(|a| have.contains(a))
+        }),
+    }
+}
+
+/// Resolves `hosts` against the interfaces present (workload interfaces,
+/// named with `workload_prefix`, excepted).
+pub fn resolve(
+    hosts: &BTreeMap<HostEndpointId, HostEndpoint>,
+    i: Interfaces<'_>,
+    workload_prefix: &str,
+) -> Resolved {
+    let mut out = Resolved::default();
+    let index_of: BTreeMap<&str, u32> = i.ifaces.iter().map(|(k, n)| (n.as_str(), *k)).collect();
+    for iface in i.links.keys() {
+        if iface.starts_with(workload_prefix) {
+            continue;
+        }
+        let addrs = index_of.get(iface.as_str()).and_then(|k| i.addrs.get(k));
+        // BTreeMap order: the first match is the lowest id.
+        if let Some((id, _)) = hosts.iter().find(|(_, h)| matches(h, iface, addrs)) {
+            out.named.insert(iface.clone(), id.clone());
+        }
+    }
+    out.all = hosts
+        .iter()
+        .find(|(_, h)| h.interface == HostInterface::All)
+        .map(|(id, _)| id.clone());
+    out
+}
