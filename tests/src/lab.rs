@@ -443,3 +443,35 @@ impl Drop for Capture {
         }
     }
 }
+
+/// A bpffs of the caller's own, on a temporary directory, unmounted on
+/// drop (what is pinned there goes with it). `ip netns exec` mounts a
+/// fresh `/sys`, so a daemon there needs a bpffs outside it to keep its
+/// pins across restarts.
+#[derive(Debug)]
+pub struct Bpffs(tempfile::TempDir);
+
+impl Bpffs {
+    pub fn new() -> Result<Self> {
+        let d = tempfile::tempdir()?;
+        nix::mount::mount(
+            Some("bpf"),
+            d.path(),
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .context("mounting a bpffs")?;
+        Ok(Self(d))
+    }
+
+    pub fn path(&self) -> std::path::PathBuf {
+        self.0.path().to_path_buf()
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}

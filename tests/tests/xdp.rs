@@ -6,42 +6,13 @@
 //! not outlive one daemon). Needs root.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use dphandler_bpf::Filter;
-use dphandler_tests::lab::{in_ns, yaml_msgs};
+use dphandler_tests::lab::{Bpffs, in_ns, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
-
-/// A bpffs of the test's own, unmounted on drop.
-struct Bpffs(tempfile::TempDir);
-
-impl Bpffs {
-    fn new() -> Result<Self> {
-        let d = tempfile::tempdir()?;
-        nix::mount::mount(
-            Some("bpf"),
-            d.path(),
-            Some("bpf"),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .context("mounting a bpffs")?;
-        Ok(Self(d))
-    }
-
-    fn path(&self) -> PathBuf {
-        self.0.path().to_path_buf()
-    }
-}
-
-impl Drop for Bpffs {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
-    }
-}
 
 fn lab() -> Result<(Netns, Netns)> {
     let host = Netns::new("xh")?;

@@ -24,11 +24,11 @@ use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::Parser;
 use dphandler_bpf::{Filter, Mode};
 use dphandler_tests::Netns;
-use dphandler_tests::lab::in_ns;
+use dphandler_tests::lab::{Bpffs, in_ns};
 use ipnet::IpNet;
 
 #[derive(Parser, Debug)]
@@ -43,15 +43,6 @@ struct Args {
     /// Blocklist members loaded.
     #[arg(long, env = "DPH_BENCH_MEMBERS", default_value_t = 100_000)]
     members: u32,
-}
-
-/// A bpffs of the benchmark's own, unmounted on drop.
-struct Bpffs(tempfile::TempDir);
-
-impl Drop for Bpffs {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
-    }
 }
 
 fn pair(tag: &str) -> Result<(Netns, Netns)> {
@@ -134,16 +125,8 @@ fn main() -> Result<()> {
     if !nix::unistd::Uid::effective().is_root() {
         bail!("the benchmark uses network namespaces and a bpffs: run it as root");
     }
-    let fs = Bpffs(tempfile::tempdir()?);
-    nix::mount::mount(
-        Some("bpf"),
-        fs.0.path(),
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .context("mounting a bpffs")?;
-    let bpffs = fs.0.path().to_path_buf();
+    let fs = Bpffs::new()?;
+    let bpffs = fs.path();
 
     // 1a. XDP.
     let (sink, gen_ns) = pair("bxdp")?;

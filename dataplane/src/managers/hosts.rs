@@ -30,6 +30,75 @@ impl Resolved {
     }
 }
 
+/// The host's links and addresses, kept from the interface monitor's
+/// events.
+#[derive(Debug, Default, Clone)]
+pub struct HostLinks {
+    /// Name → up.
+    pub links: BTreeMap<String, bool>,
+    /// Index → name.
+    pub ifaces: BTreeMap<u32, String>,
+    /// Index → addresses.
+    pub addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+}
+
+/// What an event changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct LinkChange {
+    /// Links that appeared, went or were renamed away from.
+    pub links: Vec<String>,
+    /// Addresses changed.
+    pub addrs: bool,
+}
+
+impl HostLinks {
+    pub fn apply(&mut self, event: &crate::interfaces::InterfaceEvent) -> LinkChange {
+        use crate::interfaces::InterfaceEvent as E;
+        let mut c = LinkChange::default();
+        match event {
+            E::Link {
+                index, name, up, ..
+            } => {
+                if let Some(old) = self.ifaces.insert(*index, name.clone())
+                    && old != *name
+                {
+                    self.links.remove(&old);
+                    c.links.push(old);
+                }
+                // A link appeared; up/down alone is no change of presence.
+                if self.links.insert(name.clone(), *up).is_none() {
+                    c.links.push(name.clone());
+                }
+            }
+            E::LinkRemoved { index, name } => {
+                self.ifaces.remove(index);
+                self.addrs.remove(index);
+                self.links.remove(name);
+                c.links.push(name.clone());
+            }
+            E::AddrAdded { index, addr } => {
+                c.addrs = self.addrs.entry(*index).or_default().insert(addr.addr());
+            }
+            E::AddrRemoved { index, addr } => {
+                c.addrs = self
+                    .addrs
+                    .get_mut(index)
+                    .is_some_and(|a| a.remove(&addr.addr()));
+            }
+            E::InSync => {}
+        }
+        c
+    }
+
+    pub fn interfaces(&self) -> Interfaces<'_> {
+        Interfaces {
+            links: &self.links,
+            ifaces: &self.ifaces,
+            addrs: &self.addrs,
+        }
+    }
+}
+
 /// The host's interfaces as the interface monitor reports them.
 #[derive(Debug, Clone, Copy)]
 pub struct Interfaces<'a> {

@@ -11,11 +11,10 @@
 //! the XDP backend.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::hosts::{Interfaces, resolve};
+use super::hosts::{HostLinks, resolve};
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
 use crate::interfaces::InterfaceEvent;
@@ -41,11 +40,9 @@ pub struct XdpManager {
     /// IP and CIDR members of every IP set (a policy may name a set that
     /// came first).
     sets: BTreeMap<Id, BTreeSet<IpNet>>,
-    /// Name → up, index → name, index → addresses (host endpoints by
-    /// address and `*` resolve against them).
-    links: BTreeMap<String, bool>,
-    ifaces: BTreeMap<u32, String>,
-    addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// The host's links and addresses (host endpoints by address and `*`
+    /// resolve against them).
+    host_links: HostLinks,
     link_events: BTreeSet<String>,
     dirty: bool,
 }
@@ -108,11 +105,7 @@ impl XdpManager {
     pub fn desired(&self) -> BTreeMap<String, BTreeSet<IpNet>> {
         let res = resolve(
             &self.heps,
-            Interfaces {
-                links: &self.links,
-                ifaces: &self.ifaces,
-                addrs: &self.addrs,
-            },
+            self.host_links.interfaces(),
             &self.workload_prefix,
         );
         let mut out = BTreeMap::new();
@@ -125,7 +118,7 @@ impl XdpManager {
             take(iface, id);
         }
         if let Some(all) = &res.all {
-            for iface in self.links.keys() {
+            for iface in self.host_links.links.keys() {
                 if iface != "lo"
                     && !iface.starts_with(&self.workload_prefix)
                     && !res.named.contains_key(iface)
@@ -176,38 +169,15 @@ impl Manager for XdpManager {
     }
 
     fn on_interface(&mut self, event: &InterfaceEvent) {
-        match event {
-            InterfaceEvent::Link {
-                index, name, up, ..
-            } => {
-                if let Some(old) = self.ifaces.insert(*index, name.clone())
-                    && old != *name
-                {
-                    self.links.remove(&old);
-                    self.dirty = true;
-                }
-                if self.links.insert(name.clone(), *up).is_none() {
-                    self.link_events.insert(name.clone());
-                    self.dirty |= !self.heps.is_empty();
-                }
-            }
-            InterfaceEvent::LinkRemoved { index, name } => {
-                self.ifaces.remove(index);
-                self.addrs.remove(index);
-                self.links.remove(name);
-                self.dirty |= !self.heps.is_empty();
-            }
-            InterfaceEvent::AddrAdded { index, addr } => {
-                self.addrs.entry(*index).or_default().insert(addr.addr());
-                self.dirty |= !self.heps.is_empty();
-            }
-            InterfaceEvent::AddrRemoved { index, addr } => {
-                if let Some(a) = self.addrs.get_mut(index) {
-                    a.remove(&addr.addr());
-                }
-                self.dirty |= !self.heps.is_empty();
-            }
-            InterfaceEvent::InSync => {}
+        let c = self.host_links.apply(event);
+        if let InterfaceEvent::Link { name, .. } = event
+            && c.links.contains(name)
+        {
+            // Appeared: an interface XDP could not attach to may take it.
+            self.link_events.insert(name.clone());
+        }
+        if !c.links.is_empty() || c.addrs {
+            self.dirty |= !self.heps.is_empty();
         }
     }
 

@@ -2,17 +2,13 @@
 //! [`crate::managers::hosts`]).
 
 use super::EndpointsManager;
-use crate::managers::hosts::{Interfaces, Resolved, resolve};
+use crate::managers::hosts::{Resolved, resolve};
 
 impl EndpointsManager {
     pub(super) fn resolve_hosts(&self) -> Resolved {
         resolve(
             &self.hosts,
-            Interfaces {
-                links: &self.links,
-                ifaces: &self.ifaces,
-                addrs: &self.addrs,
-            },
+            self.host_links.interfaces(),
             &self.cfg.workload_prefix,
         )
     }

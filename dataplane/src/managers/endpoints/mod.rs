@@ -48,7 +48,6 @@ mod chains;
 mod hosts;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::IpAddr;
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
@@ -175,11 +174,9 @@ pub struct EndpointsManager {
     dirty: Dirty,
     /// The IP sets that exist (rules naming others match as if empty).
     sets_known: BTreeSet<Id>,
-    /// Links by name, and whether they are up (from the interface monitor).
-    links: BTreeMap<String, bool>,
-    /// Link index → name, and each link's addresses.
-    ifaces: BTreeMap<u32, String>,
-    addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// The host's links (up or not) and their addresses, from the
+    /// interface monitor.
+    host_links: crate::managers::hosts::HostLinks,
     /// The host endpoints as last resolved against the interfaces.
     resolved: crate::managers::hosts::Resolved,
     /// The status last reported per endpoint.
@@ -268,9 +265,7 @@ impl EndpointsManager {
                 ..Dirty::default()
             },
             sets_known: BTreeSet::new(),
-            links: BTreeMap::new(),
-            ifaces: BTreeMap::new(),
-            addrs: BTreeMap::new(),
+            host_links: Default::default(),
             resolved: crate::managers::hosts::Resolved::default(),
             reported: BTreeMap::new(),
             reported_hosts: BTreeMap::new(),
@@ -416,7 +411,7 @@ impl EndpointsManager {
         let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
         for ep in self.endpoints.values() {
             let dev = ep.name.as_str();
-            if !self.links.contains_key(dev) {
+            if !self.host_links.links.contains_key(dev) {
                 continue; // CNI has not made it yet; retried when it appears
             }
             let nets = ep
@@ -582,40 +577,14 @@ impl Manager for EndpointsManager {
     }
 
     fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
-        use crate::interfaces::InterfaceEvent as E;
-        match event {
-            E::Link {
-                index, name, up, ..
-            } => {
-                if let Some(old) = self.ifaces.insert(*index, name.clone())
-                    && old != *name
-                {
-                    self.links.remove(&old);
-                    self.on_link_change(&old);
-                }
-                // A link appeared (its routes can go in, a host endpoint may
-                // now police it); up/down alone only changes the status.
-                if self.links.insert(name.clone(), *up).is_none() {
-                    self.on_link_change(name);
-                }
-            }
-            E::LinkRemoved { index, name } => {
-                self.ifaces.remove(index);
-                self.addrs.remove(index);
-                self.links.remove(name);
-                self.on_link_change(name);
-            }
-            E::AddrAdded { index, addr } => {
-                self.addrs.entry(*index).or_default().insert(addr.addr());
-                self.dirty.statics |= !self.hosts.is_empty();
-            }
-            E::AddrRemoved { index, addr } => {
-                if let Some(a) = self.addrs.get_mut(index) {
-                    a.remove(&addr.addr());
-                }
-                self.dirty.statics |= !self.hosts.is_empty();
-            }
-            E::InSync => {}
+        let c = self.host_links.apply(event);
+        // A link came or went: its routes can go in, a host endpoint may
+        // now police it (up/down alone only changes the status).
+        for name in &c.links {
+            self.on_link_change(name);
+        }
+        if c.addrs {
+            self.dirty.statics |= !self.hosts.is_empty();
         }
     }
 
@@ -623,7 +592,12 @@ impl Manager for EndpointsManager {
         use crate::sync_loop::StatusEvent;
         let mut out = Vec::new();
         for (id, ep) in &self.endpoints {
-            let link_up = self.links.get(ep.name.as_str()).copied().unwrap_or(false);
+            let link_up = self
+                .host_links
+                .links
+                .get(ep.name.as_str())
+                .copied()
+                .unwrap_or(false);
             let status = if ep.state == EndpointState::Active && link_up {
                 "up"
             } else {
@@ -654,7 +628,8 @@ impl Manager for EndpointsManager {
             let all = self.resolved.all.as_ref() == Some(id);
             let mut ifaces = self.resolved.interfaces_of(id).peekable();
             let resolved = all || ifaces.peek().is_some();
-            let up = resolved && ifaces.all(|n| self.links.get(n).copied().unwrap_or(false));
+            let up =
+                resolved && ifaces.all(|n| self.host_links.links.get(n).copied().unwrap_or(false));
             let status = if up { "up" } else { "down" };
             if self.reported_hosts.get(id) != Some(&status) {
                 self.reported_hosts.insert(id.clone(), status);
@@ -732,7 +707,7 @@ impl Manager for EndpointsManager {
                 let knobs = self
                     .endpoints
                     .values()
-                    .filter(|ep| self.links.contains_key(ep.name.as_str()))
+                    .filter(|ep| self.host_links.links.contains_key(ep.name.as_str()))
                     .flat_map(|ep| crate::backends::sysctl::workload_knobs(ep.name.as_str(), ipv6))
                     .collect();
                 sc.set(knobs);
