@@ -217,6 +217,9 @@ pub struct LoopConfig {
     pub jitter: f64,
     pub heartbeat_first: Duration,
     pub heartbeat_every: Duration,
+    /// How often an idle loop still turns (and says so in
+    /// [`Channels::alive`]), for liveness.
+    pub liveness_tick: Duration,
 }
 
 impl Default for LoopConfig {
@@ -235,6 +238,7 @@ impl Default for LoopConfig {
             jitter: 0.1,
             heartbeat_first: Duration::from_secs(10),
             heartbeat_every: Duration::from_secs(30),
+            liveness_tick: Duration::from_secs(5),
         }
     }
 }
@@ -248,6 +252,19 @@ pub struct Channels {
     pub interface_resync: Option<mpsc::Sender<()>>,
     pub events: broadcast::Sender<StatusEvent>,
     pub status: watch::Sender<Status>,
+    /// When the loop last turned (milliseconds on [`alive_now`]'s clock):
+    /// a liveness probe compares it with the time now. The loop turns at
+    /// least every [`LoopConfig::liveness_tick`] unless something blocks
+    /// it.
+    pub alive: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+}
+
+/// Milliseconds since the Unix epoch: the clock of [`Channels::alive`].
+pub fn alive_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// A periodic timer with jitter; disabled when the period is zero.
@@ -360,8 +377,12 @@ impl SyncLoop {
         let mut ifaces = Ticker::new(cfg.interface_refresh, cfg.jitter);
         let started = Instant::now();
         let mut heartbeat_at = Some(started + cfg.heartbeat_first);
+        let mut live = Ticker::new(cfg.liveness_tick, 0.0);
         let mut interfaces_open = true;
         loop {
+            if let Some(a) = &ch.alive {
+                a.store(alive_now(), std::sync::atomic::Ordering::Relaxed);
+            }
             tokio::select! {
                 () = &mut shutdown => break,
                 msg = ch.feed.recv() => {
@@ -404,6 +425,7 @@ impl SyncLoop {
                 () = sleep_opt(self.reschedule_at) => { self.reschedule_at = None; self.dirty = true; }
                 () = sleep_opt(self.refill_at) => { self.refill_at = None; }
                 () = sleep_opt(self.retry_at) => { self.retry_at = None; debug!("retry tick"); }
+                () = sleep_opt(live.next) => { live.rearm(); }
                 () = sleep_opt(heartbeat_at) => {
                     heartbeat_at = Some(Instant::now() + cfg.heartbeat_every);
                     let _ = ch.events.send(StatusEvent::ProcessStatus {

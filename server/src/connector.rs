@@ -25,6 +25,8 @@ pub struct Connector {
     pub feed: mpsc::Sender<Feed>,
     pub events: broadcast::Sender<StatusEvent>,
     pub status: watch::Receiver<Status>,
+    /// When the loop last turned (see `Channels::alive`).
+    pub alive: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Start the interface monitor and the sync loop; returns the connector and
@@ -41,12 +43,16 @@ pub fn start(
     let (ev_tx, _) = broadcast::channel(EVENTS_CAPACITY);
     let (st_tx, st_rx) = watch::channel(Status::default());
     tokio::spawn(netlink::run(if_tx, resync_rx));
+    let alive = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
+        dphandler_dataplane::sync_loop::alive_now(),
+    ));
     let ch = Channels {
         feed: feed_rx,
         interfaces: if_rx,
         interface_resync: Some(resync_tx),
         events: ev_tx.clone(),
         status: st_tx,
+        alive: Some(alive.clone()),
     };
     let task = tokio::spawn(SyncLoop::new(cfg, managers, kernel).run(ch, shutdown));
     (
@@ -54,6 +60,7 @@ pub fn start(
             feed: feed_tx,
             events: ev_tx,
             status: st_rx,
+            alive,
         },
         task,
     )

@@ -417,6 +417,7 @@ mod tests {
             feed,
             events: ev_tx.clone(),
             status: st_rx,
+            alive: Default::default(),
         };
         (DataplaneService::new(conn), ev_tx)
     }

@@ -5,5 +5,6 @@
 
 pub mod connector;
 pub mod grpc;
+pub mod health;
 pub mod limits;
 pub mod listen;

@@ -232,6 +232,14 @@ struct ServeArgs {
     /// wireguard-go's pid and log); empty: nowhere.
     #[arg(long, env = "DPH_STATE_DIR", default_value = "/var/lib/dphandler")]
     state_dir: PathBuf,
+    /// Felix-style health probes over HTTP (`/liveness`, `/readiness`);
+    /// `none` turns them off.
+    #[arg(long, env = "DPH_HEALTH_ADDR", default_value = "127.0.0.1:9099")]
+    health_addr: String,
+    /// How long the sync loop may go without turning before `/liveness`
+    /// fails (it turns every few seconds when idle; a long apply holds it).
+    #[arg(long, env = "DPH_LIVENESS_TIMEOUT_SECONDS", default_value_t = 90.0)]
+    liveness_timeout_seconds: f64,
     /// XDP acceleration of untracked ingress deny on host endpoints
     /// (Felix's XDPEnabled): `enabled` or `disabled` (then an earlier run's
     /// XDP programs are removed).
@@ -377,7 +385,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         std::time::Duration::try_from_secs_f64(v)
             .with_context(|| format!("{flag} must be a non-negative number of seconds"))
     };
+    let liveness_timeout = secs(args.liveness_timeout_seconds, "--liveness-timeout-seconds")?;
     let loop_cfg = LoopConfig {
+        // An idle loop turns well within the liveness timeout.
+        liveness_tick: (liveness_timeout / 4).clamp(
+            std::time::Duration::from_millis(100),
+            std::time::Duration::from_secs(5),
+        ),
         ipset_refresh: secs(args.ipset_refresh_seconds, "--ipset-refresh-seconds")?,
         iptables_refresh: secs(args.iptables_refresh_seconds, "--iptables-refresh-seconds")?,
         route_refresh: secs(args.route_refresh_seconds, "--route-refresh-seconds")?,
@@ -601,7 +615,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let health_addr = dphandler_server::health::parse_addr(&args.health_addr)
+        .map_err(|e| anyhow::anyhow!("--health-addr {e}"))?;
+    let health_listener = match health_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the health endpoint {addr}"))?,
+        ),
+        None => None,
+    };
     let (conn, loop_task) = connector::start(loop_cfg, managers, kernel, loop_stop);
+    if let Some(l) = health_listener {
+        tokio::spawn(dphandler_server::health::serve(
+            l,
+            dphandler_server::health::Health {
+                status: conn.status.clone(),
+                alive: conn.alive.clone(),
+                liveness_timeout,
+            },
+        ));
+    }
     info!(socket = %args.socket.display(), "listening");
 
     let (health, health_svc) = tonic_health::server::health_reporter();

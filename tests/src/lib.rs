@@ -120,11 +120,22 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `dphandler serve --socket <socket> <extra>` inside `ns`.
     pub fn start(ns: &Netns, socket: &Path, extra: &[&str]) -> Result<Self> {
+        Self::start_env(ns, socket, extra, &[])
+    }
+
+    /// [`Daemon::start`] with more environment variables.
+    pub fn start_env(
+        ns: &Netns,
+        socket: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self> {
         let child = ns
             .command(bin("dphandler"))
             .args(["serve", "--socket"])
             .arg(socket)
             .args(extra)
+            .envs(env.iter().copied())
             .env("DPH_LOG", std::env::var("DPH_LOG").unwrap_or("info".into()))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

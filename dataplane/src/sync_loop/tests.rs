@@ -52,6 +52,7 @@ async fn start(cfg: LoopConfig) -> Harness {
         interface_resync: None,
         events: ev_tx,
         status: st_tx,
+        alive: None,
     };
     tokio::spawn(lp.run(ch, async move {
         let _ = stop_rx.await;
