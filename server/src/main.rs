@@ -642,11 +642,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     health
         .set_serving::<DataplaneServer<DataplaneService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(dphandler_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(dphandler_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder()
         .build_v1()
         .context("building the reflection service")?;
+    // grpcurl 1.8 (and other older clients) speak only v1alpha.
+    let reflection_v1alpha = reflection_builder()
+        .build_v1alpha()
+        .context("building the v1alpha reflection service")?;
     let svc = DataplaneServer::from_arc(Arc::new(DataplaneService::new(conn)))
         .max_decoding_message_size(args.max_message_bytes)
         .max_encoding_message_size(args.max_message_bytes);
@@ -668,6 +675,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let unix = builder()
         .add_service(health_svc.clone())
         .add_service(reflection.clone())
+        .add_service(reflection_v1alpha.clone())
         .add_service(svc.clone())
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(listener),
@@ -689,6 +697,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .layer(GovernorLayer::new(governor.clone()))
             .add_service(health_svc.clone())
             .add_service(reflection.clone())
+            .add_service(reflection_v1alpha.clone())
             .add_service(svc.clone())
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true)),
