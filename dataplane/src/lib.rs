@@ -5,6 +5,7 @@
 pub mod backends;
 pub mod interfaces;
 pub mod managers;
+pub mod metrics;
 pub mod model;
 pub mod rules;
 pub mod session;

@@ -329,6 +329,9 @@ pub struct SyncLoop {
     reschedule_at: Option<Instant>,
     refill_at: Option<Instant>,
     apply_times: ApplyTimes,
+    metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    /// The message counters by kind, looked up once each.
+    msg_counters: HashMap<&'static str, prometheus_client::metrics::counter::Counter>,
 }
 
 impl std::fmt::Debug for SyncLoop {
@@ -362,7 +365,46 @@ impl SyncLoop {
             reschedule_at: None,
             refill_at: None,
             apply_times: ApplyTimes::default(),
+            metrics: None,
+            msg_counters: HashMap::new(),
         }
+    }
+
+    /// Keep `metrics` up to date.
+    pub fn with_metrics(mut self, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Counts one message of the calc graph by its kind.
+    fn count_message(&mut self, update: &Update) {
+        let Some(m) = &self.metrics else {
+            return;
+        };
+        let kind = match update {
+            Update::InSync => "in_sync",
+            Update::IpSetDeltaUpdate(_) => "ipset_delta",
+            Update::Remove(k) => match k.kind().as_str() {
+                "ipset" => "ipset_remove",
+                "policy" => "policy_remove",
+                "profile" => "profile_remove",
+                "host_endpoint" => "host_endpoint_remove",
+                "workload_endpoint" => "workload_endpoint_remove",
+                "route" => "route_remove",
+                _ => "other_remove",
+            },
+            u => u.upsert_key().map_or("other", |k| k.kind().as_str()),
+        };
+        self.msg_counters
+            .entry(kind)
+            .or_insert_with(|| {
+                m.messages
+                    .get_or_create(&crate::metrics::TypeLabel {
+                        r#type: kind.to_string(),
+                    })
+                    .clone()
+            })
+            .inc();
     }
 
     /// Run until the feed channel closes (all senders dropped) or `shutdown`
@@ -496,10 +538,15 @@ impl SyncLoop {
             }
         }
         self.status.feeders = u32::try_from(self.sessions.len()).unwrap_or(u32::MAX);
+        if let Some(m) = &self.metrics {
+            m.feeders.set(i64::from(self.status.feeders));
+            m.batch_size.observe(n as f64);
+        }
         n
     }
 
     fn on_message(&mut self, session: SessionId, seq: u64, update: Update) {
+        self.count_message(&update);
         self.handle_message(session, seq, update);
         // Rejected or not, the message is dealt with: the stream learns it
         // through `Programmed` after the next apply (for a rejected one,
@@ -588,6 +635,9 @@ impl SyncLoop {
 
     fn reject(&mut self, session: SessionId, seq: u64, field: &str, reason: String) {
         warn!(session, seq, field, %reason, "message rejected");
+        if let Some(m) = &self.metrics {
+            m.rejections.inc();
+        }
         if let Some(s) = self.sessions.get(&session) {
             let _ = s.rejections.send(Rejection {
                 sequence_number: seq,
@@ -610,6 +660,13 @@ impl SyncLoop {
 
     fn refresh(&mut self, r: Refresh) {
         debug!(?r, "refresh tick");
+        if let Some(m) = &self.metrics {
+            m.resyncs
+                .get_or_create(&crate::metrics::RefreshLabel {
+                    refresh: format!("{r:?}").to_ascii_lowercase(),
+                })
+                .inc();
+        }
         self.pending_refresh.push(r);
         self.dirty = true;
     }
@@ -738,6 +795,9 @@ impl SyncLoop {
             self.failures += 1;
             warn!(error = %e, retry_in = ?wait, "apply failed");
             self.status.failed_applies += 1;
+            if let Some(m) = &self.metrics {
+                m.failures.inc();
+            }
             self.status.last_error = Some(e);
             self.dirty = true;
             self.retry_at = Some(Instant::now() + wait);
@@ -746,6 +806,9 @@ impl SyncLoop {
         self.status.last_error = None;
         self.failures = 0;
         self.apply_times.record(started.elapsed());
+        if let Some(m) = &self.metrics {
+            m.apply_time.observe(started.elapsed().as_secs_f64());
+        }
         self.status.apply = self.apply_times.summary();
         if still_dirty {
             // Something is left for another pass (the throttle paces it):
@@ -759,6 +822,9 @@ impl SyncLoop {
         if in_sync_now {
             self.in_sync_sent = true;
             self.status.in_sync = true;
+            if let Some(m) = &self.metrics {
+                m.in_sync.set(1);
+            }
         }
         for s in self.sessions.values() {
             if let Some(h) = s.highest {

@@ -27,6 +27,8 @@ pub struct Connector {
     pub status: watch::Receiver<Status>,
     /// When the loop last turned (see `Channels::alive`).
     pub alive: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The Prometheus metrics the loop and the edge keep.
+    pub metrics: std::sync::Arc<dphandler_dataplane::metrics::Metrics>,
 }
 
 /// Start the interface monitor and the sync loop; returns the connector and
@@ -35,6 +37,7 @@ pub fn start(
     cfg: LoopConfig,
     managers: Vec<Box<dyn Manager>>,
     kernel: DesiredKernel,
+    metrics: std::sync::Arc<dphandler_dataplane::metrics::Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> (Connector, JoinHandle<()>) {
     let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
@@ -54,13 +57,18 @@ pub fn start(
         status: st_tx,
         alive: Some(alive.clone()),
     };
-    let task = tokio::spawn(SyncLoop::new(cfg, managers, kernel).run(ch, shutdown));
+    let task = tokio::spawn(
+        SyncLoop::new(cfg, managers, kernel)
+            .with_metrics(metrics.clone())
+            .run(ch, shutdown),
+    );
     (
         Connector {
             feed: feed_tx,
             events: ev_tx,
             status: st_rx,
             alive,
+            metrics,
         },
         task,
     )

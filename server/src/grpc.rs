@@ -175,6 +175,7 @@ impl Dataplane for DataplaneService {
         let (prog_tx, mut prog_rx) = watch::channel(0u64);
         let (rej_tx, mut rej_rx) = mpsc::unbounded_channel::<Rejection>();
         let feed = self.conn.feed.clone();
+        let metrics = self.conn.metrics.clone();
         feed.send(Feed::Open {
             session,
             programmed: prog_tx,
@@ -211,6 +212,7 @@ impl Dataplane for DataplaneService {
                                 Ok(None) => {}
                                 Err(r) => {
                                     rejected_count += 1;
+                                    metrics.rejections.inc();
                                     warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
                                     let _ = rej_tx.send(Rejection {
                                         sequence_number: seq,
@@ -418,6 +420,7 @@ mod tests {
             events: ev_tx.clone(),
             status: st_rx,
             alive: Default::default(),
+            metrics: Default::default(),
         };
         (DataplaneService::new(conn), ev_tx)
     }

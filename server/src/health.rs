@@ -112,24 +112,71 @@ impl Health {
 
 /// Serves the probes on `listener` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, health: Health) {
+    serve_with(listener, "health", move |path| health.answer(path)).await;
+}
+
+/// Serves `/metrics` (Prometheus text format) from `registry`.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    registry: std::sync::Arc<prometheus_client::registry::Registry>,
+) {
+    serve_with(listener, "metrics", move |path| {
+        let (code, ctype, body) = if path == "/metrics" {
+            let mut out = String::new();
+            match prometheus_client::encoding::text::encode(&mut out, &registry) {
+                Ok(()) => (
+                    StatusCode::OK,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    out,
+                ),
+                Err(e) => (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    format!("encoding the metrics: {e}\n"),
+                ),
+            }
+        } else {
+            (
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "not found: /metrics\n".into(),
+            )
+        };
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = code;
+        r.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static(ctype),
+        );
+        r
+    })
+    .await;
+}
+
+/// A plain HTTP/1 server: `answer` maps a path to a response.
+async fn serve_with(
+    listener: tokio::net::TcpListener,
+    what: &'static str,
+    answer: impl Fn(&str) -> Response<Full<Bytes>> + Clone + Send + Sync + 'static,
+) {
     if let Ok(a) = listener.local_addr() {
-        info!(addr = %a, "health endpoint listening");
+        info!(addr = %a, "{what} endpoint listening");
     }
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
-        let h = health.clone();
+        let answer = answer.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
-                let r = h.answer(req.uri().path());
+                let r = answer(req.uri().path());
                 async move { Ok::<_, Infallible>(r) }
             });
             if let Err(e) = http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await
             {
-                debug!(%peer, error = %e, "health connection");
+                debug!(%peer, error = %e, "{what} connection");
             }
         });
     }

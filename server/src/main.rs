@@ -232,6 +232,9 @@ struct ServeArgs {
     /// wireguard-go's pid and log); empty: nowhere.
     #[arg(long, env = "DPH_STATE_DIR", default_value = "/var/lib/dphandler")]
     state_dir: PathBuf,
+    /// Prometheus metrics over HTTP (`/metrics`); `none` turns them off.
+    #[arg(long, env = "DPH_METRICS_ADDR", default_value = "127.0.0.1:9091")]
+    metrics_addr: String,
     /// Felix-style health probes over HTTP (`/liveness`, `/readiness`);
     /// `none` turns them off.
     #[arg(long, env = "DPH_HEALTH_ADDR", default_value = "127.0.0.1:9099")]
@@ -625,7 +628,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let (conn, loop_task) = connector::start(loop_cfg, managers, kernel, loop_stop);
+    let metrics_addr = dphandler_server::health::parse_addr(&args.metrics_addr)
+        .map_err(|e| anyhow::anyhow!("--metrics-addr {e}"))?;
+    let metrics_listener = match metrics_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the metrics endpoint {addr}"))?,
+        ),
+        None => None,
+    };
+    let metrics = Arc::new(dphandler_dataplane::metrics::Metrics::default());
+    let mut registry = prometheus_client::registry::Registry::with_prefix("dphandler");
+    metrics.register(&mut registry);
+    let (conn, loop_task) =
+        connector::start(loop_cfg, managers, kernel, metrics.clone(), loop_stop);
+    if let Some(l) = metrics_listener {
+        tokio::spawn(dphandler_server::health::serve_metrics(
+            l,
+            Arc::new(registry),
+        ));
+    }
     if let Some(l) = health_listener {
         tokio::spawn(dphandler_server::health::serve(
             l,

@@ -10,10 +10,12 @@ use anyhow::{Result, bail};
 use dphandler_tests::lab::{in_ns, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
-/// `GET path` on the namespace's 127.0.0.1:19099: (status code, body).
+/// `GET path` on the namespace's 127.0.0.1:19099 (health) or :19091
+/// (`/metrics`): (status code, body).
 fn get(ns: &Netns, path: &'static str) -> Result<(u16, String)> {
+    let port = if path == "/metrics" { 19091 } else { 19099 };
     in_ns(&ns.0, move || -> Result<(u16, String)> {
-        let mut s = std::net::TcpStream::connect("127.0.0.1:19099")?;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
         write!(
             s,
@@ -69,6 +71,8 @@ async fn readiness_follows_in_sync_and_liveness_the_loop() -> Result<()> {
             "n1",
             "--health-addr",
             "127.0.0.1:19099",
+            "--metrics-addr",
+            "127.0.0.1:19091",
             "--liveness-timeout-seconds",
             "2",
         ],
