@@ -57,6 +57,20 @@ activePolicyUpdate:\n  id: {name: default.xdp}\n  policy:\n    tier: default\n  
 hostEndpointUpdate:\n  id: {endpointId: up}\n  endpoint:\n    name: eth0\n    profileIds: [allow]\n    untrackedTiers:\n      - name: default\n        ingressPolicies: [{name: default.xdp}]\n        defaultAction: pass\n---\n\
 inSync: {}\n";
 
+/// A daemon on `host` pinning under `bpffs`, fed `snapshot`.
+async fn daemon(
+    host: &Netns,
+    sock: &std::path::Path,
+    bpffs: &Bpffs,
+    snapshot: &str,
+) -> Result<Daemon> {
+    let b = bpffs.path().display().to_string();
+    let d = Daemon::start(host, sock, &["--hostname", "n1", "--bpffs", b.as_str()])?;
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, snapshot)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    Ok(d)
+}
+
 async fn details(d: &Daemon) -> Result<std::collections::HashMap<String, String>> {
     Ok(d.connect()
         .await?
@@ -85,11 +99,7 @@ async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<
     let fs = Bpffs::new()?;
     let dir = tempdir()?;
     let (host, client) = lab()?;
-    let bpffs = fs.path().display().to_string();
-    let args = ["--hostname", "n1", "--bpffs", bpffs.as_str()];
-    let d = Daemon::start(&host, &dir.path().join("d.sock"), &args)?;
-    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
-    assert!(rej.is_empty(), "{rej:?}");
+    let d = daemon(&host, &dir.path().join("d.sock"), &fs, SNAPSHOT).await?;
 
     let link = stdout(&host, "ip", &["-d", "link", "show", "eth0"])?;
     assert!(link.contains("prog/xdp"), "{link}");
@@ -134,9 +144,7 @@ async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<
         .spawn()?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.stop()?;
-    let d = Daemon::start(&host, &dir.path().join("d2.sock"), &args)?;
-    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
-    assert!(rej.is_empty(), "{rej:?}");
+    let d = daemon(&host, &dir.path().join("d2.sock"), &fs, SNAPSHOT).await?;
     let summary = String::from_utf8_lossy(&flood.wait_with_output()?.stdout).into_owned();
     assert!(summary.contains("100% packet loss"), "{summary}");
     assert!(details(&d).await?["xdp.eth0"].starts_with("adopted"));
@@ -186,14 +194,7 @@ async fn where_xdp_cannot_attach_the_raw_table_drops() -> Result<()> {
     let theirs = in_ns(&host.0, move || {
         dphandler_bpf::Filter::attach(&o, "eth0", &[dphandler_bpf::Mode::Driver])
     })?;
-    let bpffs = fs.path().display().to_string();
-    let d = Daemon::start(
-        &host,
-        &dir.path().join("d.sock"),
-        &["--hostname", "n1", "--bpffs", bpffs.as_str()],
-    )?;
-    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
-    assert!(rej.is_empty(), "{rej:?}");
+    let d = daemon(&host, &dir.path().join("d.sock"), &fs, SNAPSHOT).await?;
     let x = details(&d).await?["xdp.eth0"].clone();
     assert!(
         x.starts_with("not programmed (the raw table drops instead)"),
@@ -217,15 +218,8 @@ async fn an_all_interfaces_host_endpoint_gets_xdp_on_every_interface_but_lo() ->
     let fs = Bpffs::new()?;
     let dir = tempdir()?;
     let (host, client) = lab()?;
-    let bpffs = fs.path().display().to_string();
-    let d = Daemon::start(
-        &host,
-        &dir.path().join("d.sock"),
-        &["--hostname", "n1", "--bpffs", bpffs.as_str()],
-    )?;
     let all = SNAPSHOT.replace("    name: eth0\n", "    name: \"*\"\n");
-    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, &all)).await?;
-    assert!(rej.is_empty(), "{rej:?}");
+    let d = daemon(&host, &dir.path().join("d.sock"), &fs, &all).await?;
     let eth0 = stdout(&host, "ip", &["-d", "link", "show", "eth0"])?;
     assert!(eth0.contains("prog/xdp"), "{eth0}");
     let lo = stdout(&host, "ip", &["-d", "link", "show", "lo"])?;

@@ -61,6 +61,21 @@ fn kernel() -> DesiredKernel {
     }
 }
 
+/// The cluster on node-a, its device made once (the fake's first key is
+/// `[1; 32]`).
+fn applied_cluster() -> (WireguardManager, DesiredKernel) {
+    let mut m = manager(true);
+    cluster(&mut m);
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    k.wireguard
+        .as_mut()
+        .unwrap()
+        .apply(crate::backends::Phase::Links)
+        .unwrap();
+    (m, k)
+}
+
 /// The IPv4 device the manager asked for.
 fn v4(k: &DesiredKernel) -> &WgDevice {
     k.wireguard
@@ -262,15 +277,7 @@ fn a_duplicate_key_makes_neither_node_a_peer() {
 
 #[test]
 fn a_node_claiming_our_own_key_is_no_peer() {
-    let mut m = manager(true);
-    cluster(&mut m);
-    let mut k = kernel();
-    m.complete_deferred_work(&mut k).unwrap();
-    k.wireguard
-        .as_mut()
-        .unwrap()
-        .apply(crate::backends::Phase::Links)
-        .unwrap();
+    let (mut m, mut k) = applied_cluster();
     // The fake's first key is [1; 32]: node-b now claims it.
     let ours = public_key(&[1; 32]);
     m.on_update(&Update::WireguardEndpoint(WireguardEndpoint {
@@ -437,15 +444,7 @@ fn route_changes_are_worked_out_alone_and_agree_with_a_full_pass() {
 
 #[test]
 fn a_stale_key_for_this_node_gets_ours_announced_again() {
-    let mut m = manager(true);
-    cluster(&mut m);
-    let mut k = kernel();
-    m.complete_deferred_work(&mut k).unwrap();
-    k.wireguard
-        .as_mut()
-        .unwrap()
-        .apply(crate::backends::Phase::Links)
-        .unwrap();
+    let (mut m, mut k) = applied_cluster();
     let ours = public_key(&[1; 32]).to_base64();
     let first = k.wireguard.as_mut().unwrap().take_events();
     assert_eq!(first[0], (IpVersion::V4, ours.clone()));
