@@ -5,6 +5,6 @@
 # own network namespace is not touched.
 set -euo pipefail
 cd "$(dirname "$0")"
-DPH_SKIP_BUF=1 bash scripts/install-packages.sh
+DPH_SKIP_BUF=1 DPH_SKIP_GRPCURL=1 DPH_SKIP_HELM=1 bash scripts/install-packages.sh
 cargo build --release --locked --bin dphandler --bin dphctl
 exec ./target/release/dphandler demo "$@"

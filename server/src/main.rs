@@ -278,6 +278,12 @@ struct ServeArgs {
     /// them on, or workloads reach nothing beyond the node.
     #[arg(long, env = "DPH_IP_FORWARDING", default_value = "enabled")]
     ip_forwarding: Forwarding,
+    /// Where the kernel's `/proc/sys` is: the daemon writes only under its
+    /// `net/`. An unprivileged container's `/proc/sys` is read-only; the
+    /// Helm chart mounts the host's `/proc/sys/net` at
+    /// `/host/proc/sys/net` and points this at `/host/proc/sys`.
+    #[arg(long, env = "DPH_PROC_SYS", default_value = "/proc/sys")]
+    proc_sys: PathBuf,
 }
 
 /// A `proto:port,…` list (one value, so clap does not take it for a
@@ -362,17 +368,23 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn shutdown_signal() {
+/// SIGTERM and SIGINT, caught from the moment this is called: made before
+/// anything is bound, so that a signal that comes while the daemon starts
+/// (a pod deleted at once) still stops it the orderly way.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: stopping; kernel state is left as it is"),
-        _ = int.recv() => info!("SIGINT: stopping; kernel state is left as it is"),
-    }
+    let mut term = signal(SignalKind::terminate()).context("catching SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("catching SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: stopping; kernel state is left as it is"),
+            _ = int.recv() => info!("SIGINT: stopping; kernel state is left as it is"),
+        }
+    })
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let signalled_by = shutdown_signal()?;
     let grace = std::time::Duration::try_from_secs_f64(args.shutdown_grace_seconds)
         .context("--shutdown-grace-seconds must be a non-negative number")?;
     // Check every setting before binding anything.
@@ -529,8 +541,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             failsafe,
         ));
     }
-    kernel.sysctls = Some(Sysctls::new("/proc/sys"));
-    let node = NodeSettings::new("/proc/sys", args.ip_forwarding, args.ipv6);
+    if !args.proc_sys.join("net").is_dir() {
+        bail!(
+            "--proc-sys {}: no net/ under it (give the directory where the kernel's /proc/sys is)",
+            args.proc_sys.display()
+        );
+    }
+    kernel.sysctls = Some(Sysctls::new(&args.proc_sys));
+    let node = NodeSettings::new(&args.proc_sys, args.ip_forwarding, args.ipv6);
     match args.ip_forwarding {
         Forwarding::Enabled => info!(
             knobs = ?node.knobs(),
@@ -684,7 +702,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // Both listeners stop on the first SIGTERM/SIGINT.
     let (signalled_tx, signalled) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        shutdown_signal().await;
+        signalled_by.await;
         let _ = signalled_tx.send(true);
     });
     let stopping = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

@@ -26,6 +26,31 @@ pub fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static
     .expect("thread")
 }
 
+/// `GET path` over HTTP/1.1 on `host:port` inside namespace `ns` (the
+/// health and metrics endpoints): (status code, body).
+pub fn http_get(ns: &Netns, host: &str, port: u16, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let (host, path) = (host.to_string(), path.to_string());
+    in_ns(&ns.0, move || -> Result<(u16, String)> {
+        let mut s = TcpStream::connect((host.as_str(), port))
+            .with_context(|| format!("connecting to {host}:{port}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+        Ok((code, body))
+    })
+}
+
 /// YAML (or JSON) `felix.ToDataplane` messages, numbered from `first`.
 pub fn yaml_msgs(first: u64, yaml: &str) -> Vec<felix::ToDataplane> {
     let mut v = dphandler_proto::text::parse_to_dataplane(yaml).expect("test YAML");

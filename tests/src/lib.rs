@@ -17,6 +17,7 @@ use std::time::Duration;
 
 pub mod cluster;
 pub mod lab;
+pub mod tls;
 
 use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::{self, to_dataplane::Payload};
@@ -130,13 +131,20 @@ impl Daemon {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Self> {
-        let child = ns
-            .command(bin("dphandler"))
-            .args(["serve", "--socket"])
+        let mut cmd = ns.command(bin("dphandler"));
+        cmd.args(["serve", "--socket"])
             .arg(socket)
             .args(extra)
             .envs(env.iter().copied())
-            .env("DPH_LOG", std::env::var("DPH_LOG").unwrap_or("info".into()))
+            .env("DPH_LOG", std::env::var("DPH_LOG").unwrap_or("info".into()));
+        Self::spawn(cmd, socket)
+    }
+
+    /// Starts a `dphandler` command built by the caller (e.g. with only
+    /// the environment a Helm-rendered pod would have) that serves on
+    /// `socket`.
+    pub fn spawn(mut cmd: Command, socket: &Path) -> Result<Self> {
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()

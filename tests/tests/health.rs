@@ -3,34 +3,17 @@
 //! sync loop turns and while it is held (an `ipset` wrapper, first on the
 //! daemon's PATH, sleeps on a set named to stall it). Needs root.
 
-use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use dphandler_tests::lab::{in_ns, yaml_msgs};
+use dphandler_tests::lab::{http_get, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 /// `GET path` on the namespace's 127.0.0.1:19099 (health) or :19091
 /// (`/metrics`): (status code, body).
 fn get(ns: &Netns, path: &'static str) -> Result<(u16, String)> {
     let port = if path == "/metrics" { 19091 } else { 19099 };
-    in_ns(&ns.0, move || -> Result<(u16, String)> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut out = String::new();
-        s.read_to_string(&mut out)?;
-        let code = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
-        Ok((code, body))
-    })
+    http_get(ns, "127.0.0.1", port, path)
 }
 
 #[tokio::test]

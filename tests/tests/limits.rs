@@ -5,11 +5,12 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use anyhow::{Result, bail};
 use dphandler_proto::v1;
+use dphandler_tests::tls::{ca_and_cert, cert};
 use dphandler_tests::{Daemon, Netns, bin, in_sync, ipset, msg, privileged, push, tempdir};
 
 #[tokio::test]
@@ -169,92 +170,6 @@ fn tcp_without_mtls_is_refused_at_start() -> Result<()> {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("go together"));
     Ok(())
-}
-
-fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        bail!("openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(())
-}
-
-/// A CA named `name`, and a certificate it signed for `cn` (with
-/// `localhost`/127.0.0.1 as subject alternative names).
-fn ca_and_cert(dir: &Path, name: &str, cn: &str) -> Result<()> {
-    let ca_key = format!("{name}-ca.key");
-    let ca = format!("{name}-ca.pem");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &ca_key,
-            "-out",
-            &ca,
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN={name} test CA"),
-        ],
-    )?;
-    cert(dir, name, cn)
-}
-
-fn cert(dir: &Path, ca_name: &str, cn: &str) -> Result<()> {
-    let key = format!("{cn}.key");
-    let csr = format!("{cn}.csr");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={cn}"),
-        ],
-    )?;
-    std::fs::write(
-        dir.join(format!("{cn}.ext")),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
-    )?;
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &format!("{ca_name}-ca.pem"),
-            "-CAkey",
-            &format!("{ca_name}-ca.key"),
-            "-CAcreateserial",
-            "-out",
-            &format!("{cn}.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            &format!("{cn}.ext"),
-        ],
-    )
 }
 
 fn dphctl_tcp(ns: &Netns, dir: &Path, port: u16, tls: Option<(&str, &str)>) -> Result<Output> {
