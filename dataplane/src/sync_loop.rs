@@ -779,6 +779,9 @@ impl SyncLoop {
             .chain(kernel.status())
             .collect();
         self.status.details = details;
+        if let Some(m) = &self.metrics {
+            kernel.export(m);
+        }
         self.kernel = Some(kernel);
         debug!(
             managers_ms = managers_done.as_secs_f64() * 1e3,

@@ -440,12 +440,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         FlavorChoice::Auto => iptables_restore::detect(&[]),
     };
     info!(?flavor, "iptables flavour");
+    let metrics = Arc::new(dphandler_dataplane::metrics::Metrics::default());
     let mut kernel = DesiredKernel::default();
     for v in [IpVersion::V4, IpVersion::V6] {
         if v == IpVersion::V6 && !args.ipv6 {
             continue;
         }
-        let mut sets = IpSets::new(v, names.clone(), Box::new(IpsetTool::default()));
+        let mut sets = IpSets::new(
+            v,
+            names.clone(),
+            Box::new(IpsetTool::default().with_metrics(metrics.ipset.clone())),
+        );
         if !args.dry_run {
             sets.prefetch();
         }
@@ -459,7 +464,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 v,
                 Ownership::new(&args.prefix),
                 args.chain_insert_mode,
-                Box::new(IptablesTool::new(flavor, v, Vec::new())),
+                Box::new(
+                    IptablesTool::new(flavor, v, Vec::new()).with_metrics(metrics.iptables_tool(v)),
+                ),
             );
             // Read while the calc graph sends its snapshot (seconds at
             // 300,000 rules), not in the first apply.
@@ -656,7 +663,6 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let metrics = Arc::new(dphandler_dataplane::metrics::Metrics::default());
     let mut registry = prometheus_client::registry::Registry::with_prefix("dphandler");
     metrics.register(&mut registry);
     let (conn, loop_task) =

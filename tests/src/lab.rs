@@ -51,6 +51,55 @@ pub fn http_get(ns: &Netns, host: &str, port: u16, path: &str) -> Result<(u16, S
     })
 }
 
+/// The scrape at `port` in `ns`, parsed as OpenMetrics text (what
+/// prometheus-client writes; the parser checks the format too): series
+/// (`name{a="1",b="2"}`, labels sorted; counters with `_total`, histograms
+/// as `_count` and `_sum`) → value.
+pub fn scrape(ns: &Netns, port: u16) -> Result<std::collections::BTreeMap<String, f64>> {
+    use openmetrics_parser::{MetricNumber, OpenMetricsValue};
+    let (code, body) = http_get(ns, "127.0.0.1", port, "/metrics")?;
+    if code != 200 {
+        anyhow::bail!("/metrics answered {code}: {body}");
+    }
+    let parsed = openmetrics_parser::openmetrics::parse_openmetrics(&body)
+        .map_err(|e| anyhow::anyhow!("/metrics is not OpenMetrics: {e:?}\n{body}"))?;
+    let mut out = std::collections::BTreeMap::new();
+    for (name, family) in &parsed.families {
+        for s in family.iter_samples() {
+            let labels = s
+                .get_labelset()
+                .map_err(|e| anyhow::anyhow!("{name}: {e:?}"))?;
+            let mut labels: Vec<String> =
+                labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+            labels.sort();
+            let series = |suffix: &str| {
+                if labels.is_empty() {
+                    format!("{name}{suffix}")
+                } else {
+                    format!("{name}{suffix}{{{}}}", labels.join(","))
+                }
+            };
+            match &s.value {
+                OpenMetricsValue::Counter(c) => {
+                    out.insert(series("_total"), c.value.as_f64());
+                }
+                OpenMetricsValue::Gauge(n) | OpenMetricsValue::Unknown(n) => {
+                    out.insert(series(""), n.as_f64());
+                }
+                OpenMetricsValue::Histogram(h) => {
+                    out.insert(series("_count"), h.count.unwrap_or(0) as f64);
+                    out.insert(
+                        series("_sum"),
+                        h.sum.as_ref().map_or(0.0, MetricNumber::as_f64),
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// YAML (or JSON) `felix.ToDataplane` messages, numbered from `first`.
 pub fn yaml_msgs(first: u64, yaml: &str) -> Vec<felix::ToDataplane> {
     let mut v = dphandler_proto::text::parse_to_dataplane(yaml).expect("test YAML");

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::from_dataplane::Payload as FromPayload;
 use dphandler_proto::v1::{self, status_update::Kind};
 use dphandler_tests::cluster::*;
-use dphandler_tests::lab::{Capture, Probe, probe, yaml_msgs};
+use dphandler_tests::lab::{Capture, Probe, probe, scrape, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 use tonic::Streaming;
 
@@ -343,6 +343,37 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     assert!(
         !d["wireguard.v4.peer.node2"].contains("handshake never"),
         "{d:?}"
+    );
+    // And in the metrics (Felix's wireguard_* names): one peer per IP
+    // version, the bytes the traffic above moved, the handshake's time.
+    let m = scrape(&nodes[0].ns, 9091)?;
+    for v in ["4", "6"] {
+        assert_eq!(
+            m.get(&format!("dphandler_wireguard_peers{{ip_version=\"{v}\"}}")),
+            Some(&1.0),
+            "{m:#?}"
+        );
+    }
+    let peer = format!("ip_version=\"4\",public_key=\"{}\"", keys[1][0]);
+    for name in ["wireguard_bytes_sent_total", "wireguard_bytes_rcvd_total"] {
+        let bytes = m.get(&format!("dphandler_{name}{{{peer}}}")).copied();
+        assert!(
+            bytes.is_some_and(|b| b > 1000.0),
+            "{name}: {bytes:?} in {m:#?}"
+        );
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs_f64();
+    let hs = m
+        .get(&format!(
+            "dphandler_wireguard_latest_handshake_seconds{{{peer}}}"
+        ))
+        .copied()
+        .unwrap_or(0.0);
+    assert!(
+        now - hs < 600.0 && hs <= now + 1.0,
+        "handshake at {hs}, now {now}"
     );
 
     // Restart node 1's daemon, and lose its wireguard-go too: the new one

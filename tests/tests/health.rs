@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use dphandler_tests::lab::{http_get, yaml_msgs};
+use dphandler_tests::lab::{http_get, scrape, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 /// `GET path` on the namespace's 127.0.0.1:19099 (health) or :19091
@@ -111,5 +111,148 @@ async fn readiness_follows_in_sync_and_liveness_the_loop() -> Result<()> {
     assert!(rej.is_empty(), "{rej:?}");
     assert_eq!(get(&ns, "/liveness")?.0, 200);
     assert_eq!(get(&ns, "/nope")?.0, 404);
+    Ok(())
+}
+
+#[tokio::test]
+async fn metrics_count_what_the_daemon_did() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let ns = Netns::new("mt")?;
+    ns.run("ip", &["link", "set", "lo", "up"])?;
+    let d = Daemon::start(
+        &ns,
+        &dir.path().join("d.sock"),
+        &[
+            "--hostname",
+            "n1",
+            "--health-addr",
+            "none",
+            "--metrics-addr",
+            "127.0.0.1:19191",
+        ],
+    )?;
+    let mut c = d.connect().await?;
+    let before = scrape(&ns, 19191)?;
+    assert_eq!(
+        before.get("dphandler_int_dataplane_in_sync"),
+        Some(&0.0),
+        "{before:?}"
+    );
+
+    // Two sets, a message the loop refuses (a member that is no address),
+    // a workload endpoint, InSync.
+    let (rej, _) = push(
+        &mut c,
+        yaml_msgs(
+            1,
+            "ipsetUpdate: {id: 's:a', members: ['10.0.0.1', '10.0.0.2']}\n---\n\
+             ipsetUpdate: {id: 's:b', type: NET, members: ['10.0.1.0/24']}\n---\n\
+             ipsetDeltaUpdate: {id: 's:a', addedMembers: ['10.0.0.999']}\n---\n\
+             workloadEndpointUpdate: {id: {orchestratorId: k8s, workloadId: ns/p, endpointId: eth0}, \
+             endpoint: {state: active, name: cali1234, ipv4Nets: ['10.0.0.1/32']}}\n---\n\
+             inSync: {}\n",
+        ),
+    )
+    .await?;
+    assert_eq!(rej.len(), 1, "{rej:?}");
+
+    // A scrape with no apply in between, as GetStatus counts them.
+    let (m, st) = {
+        let mut found = None;
+        for _ in 0..20 {
+            let a = c
+                .get_status(dphandler_proto::v1::GetStatusRequest {})
+                .await?
+                .into_inner();
+            let m = scrape(&ns, 19191)?;
+            let b = c
+                .get_status(dphandler_proto::v1::GetStatusRequest {})
+                .await?
+                .into_inner();
+            if a.applies == b.applies && b.in_sync {
+                found = Some((m, b));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        found.expect("a quiet moment")
+    };
+    let get = |k: &str| {
+        m.get(k)
+            .copied()
+            .unwrap_or_else(|| panic!("no {k} in {m:#?}"))
+    };
+    assert_eq!(get("dphandler_int_dataplane_in_sync"), 1.0);
+    assert_eq!(
+        get("dphandler_int_dataplane_apply_time_seconds_count"),
+        (st.applies - st.failed_applies) as f64,
+        "one observation per successful apply"
+    );
+    assert_eq!(
+        get("dphandler_int_dataplane_failures_total"),
+        st.failed_applies as f64
+    );
+    assert_eq!(get("dphandler_grpc_rejections_total"), 1.0);
+    assert_eq!(
+        get("dphandler_int_dataplane_messages_total{type=\"ipset\"}"),
+        2.0
+    );
+    assert_eq!(
+        get("dphandler_int_dataplane_messages_total{type=\"in_sync\"}"),
+        1.0
+    );
+
+    // The tools: every run counted, none failed.
+    assert!(get("dphandler_ipset_calls_total") >= 1.0);
+    assert!(
+        get("dphandler_ipset_lines_executed_total") >= 5.0,
+        "2 creates, 3 members"
+    );
+    assert_eq!(get("dphandler_ipset_errors_total"), 0.0);
+    assert!(get("dphandler_iptables_restore_calls_total{ip_version=\"4\"}") >= 1.0);
+    assert_eq!(
+        get("dphandler_iptables_restore_errors_total{ip_version=\"4\"}"),
+        0.0
+    );
+    assert!(get("dphandler_iptables_save_calls_total{ip_version=\"4\"}") >= 1.0);
+    assert!(
+        get("dphandler_iptables_lines_executed_total{ip_version=\"4\",table=\"filter\"}") > 10.0
+    );
+
+    // What the kernel holds, as the kernel says.
+    let saved = String::from_utf8(ns.run("iptables-save", &["-t", "filter"])?.stdout)?;
+    let chains = saved.lines().filter(|l| l.starts_with(":dph-")).count();
+    let rules = saved
+        .lines()
+        .filter(|l| l.starts_with("-A ") && l.contains("--comment \"dph:"))
+        .count();
+    assert!(chains > 0, "{saved}");
+    assert_eq!(
+        get("dphandler_iptables_chains{ip_version=\"4\",table=\"filter\"}"),
+        chains as f64,
+        "{saved}"
+    );
+    assert_eq!(
+        get("dphandler_iptables_rules{ip_version=\"4\",table=\"filter\"}"),
+        rules as f64,
+        "{saved}"
+    );
+    let sets = String::from_utf8(ns.run("ipset", &["list", "-n"])?.stdout)?;
+    let v4 = sets.lines().filter(|l| l.starts_with("dph40")).count();
+    assert_eq!(
+        get("dphandler_ipsets{ip_version=\"4\"}"),
+        v4 as f64,
+        "{sets}"
+    );
+    assert!(v4 >= 2, "{sets}");
+    assert!(m.contains_key("dphandler_routes{kind=\"route\"}"), "{m:#?}");
+    assert_eq!(
+        get("dphandler_grpc_feeders"),
+        0.0,
+        "the push's stream ended"
+    );
     Ok(())
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use dphandler_bpf::Filter;
-use dphandler_tests::lab::{Bpffs, in_ns, yaml_msgs};
+use dphandler_tests::lab::{Bpffs, in_ns, scrape, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 fn lab() -> Result<(Netns, Netns)> {
@@ -118,6 +118,22 @@ async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<
     assert!(x.starts_with("driver, 1 prefixes"), "{x}");
     assert!(!x.contains("dropped 0 pkts"), "{x}");
     assert_eq!(raw_drops(&host)?, 0, "the raw table saw the packet");
+    // The same counters in the metrics.
+    let m = scrape(&host, 9091)?;
+    assert_eq!(m.get("dphandler_xdp_interfaces"), Some(&1.0), "{m:#?}");
+    for (name, verdict) in [
+        ("xdp_packets_total", "dropped"),
+        ("xdp_bytes_total", "dropped"),
+        ("xdp_packets_total", "passed"),
+    ] {
+        let v = m.get(&format!(
+            "dphandler_{name}{{iface=\"eth0\",verdict=\"{verdict}\"}}"
+        ));
+        assert!(
+            v.is_some_and(|v| *v >= 1.0),
+            "{name} {verdict}: {v:?} in {m:#?}"
+        );
+    }
     // A failsafe port still reaches the host from the member.
     let listener = in_ns(&host.0, || TcpListener::bind("10.89.0.1:22"))?;
     let ok = in_ns(&client.0, || {

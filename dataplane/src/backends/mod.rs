@@ -223,6 +223,10 @@ pub trait Backend: Send {
     fn status(&self) -> Vec<(String, String)> {
         Vec::new()
     }
+    /// Puts this backend's state into the metrics: gauges of what it holds,
+    /// and what the kernel counts into [`crate::metrics::KernelReadings`].
+    /// Called after every apply; no I/O.
+    fn export(&self, _m: &crate::metrics::Metrics) {}
 }
 
 /// All backend objects, filled by the managers during
@@ -329,6 +333,13 @@ impl DesiredKernel {
     /// Every backend's status pairs.
     pub fn status(&mut self) -> Vec<(String, String)> {
         self.backends_mut().flat_map(|b| b.status()).collect()
+    }
+
+    /// Every backend's state into the metrics.
+    pub fn export(&mut self, m: &crate::metrics::Metrics) {
+        for b in self.backends_mut() {
+            b.export(m);
+        }
     }
 
     pub fn request_resync(&mut self, refresh: Refresh) {

@@ -173,6 +173,26 @@ impl Backend for Xdp {
         "xdp"
     }
 
+    fn export(&self, m: &crate::metrics::Metrics) {
+        m.xdp_interfaces.set(self.applied.len() as i64);
+        m.kernel.set_xdp(
+            self.applied
+                .iter()
+                .map(|(iface, a)| {
+                    let v = a.verdicts;
+                    (
+                        iface.clone(),
+                        vec![
+                            ("dropped", v.dropped.0, v.dropped.1),
+                            ("failsafe", v.failsafe.0, v.failsafe.1),
+                            ("passed", v.passed.0, v.passed.1),
+                        ],
+                    )
+                })
+                .collect(),
+        );
+    }
+
     fn phases(&self) -> &'static [Phase] {
         &[Phase::Links]
     }

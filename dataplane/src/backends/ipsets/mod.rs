@@ -538,6 +538,14 @@ impl IpSets {
 }
 
 impl Backend for IpSets {
+    fn export(&self, m: &crate::metrics::Metrics) {
+        if let Some(observed) = &self.observed {
+            m.ipsets
+                .get_or_create(&crate::metrics::version_label(self.version))
+                .set(observed.len() as i64);
+        }
+    }
+
     fn name(&self) -> &'static str {
         match self.version {
             IpVersion::V4 => "ipsets-v4",

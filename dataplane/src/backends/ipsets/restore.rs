@@ -14,13 +14,12 @@ const BACKEND: &str = "ipsets";
 #[derive(Debug, Clone)]
 pub struct IpsetTool {
     program: String,
+    metrics: Option<crate::metrics::ToolCounters>,
 }
 
 impl Default for IpsetTool {
     fn default() -> Self {
-        Self {
-            program: "ipset".into(),
-        }
+        Self::new("ipset")
     }
 }
 
@@ -28,7 +27,21 @@ impl IpsetTool {
     pub fn new(program: impl Into<String>) -> Self {
         Self {
             program: program.into(),
+            metrics: None,
         }
+    }
+
+    /// Count every run (calls, failures, lines fed to `ipset restore`).
+    pub fn with_metrics(mut self, m: crate::metrics::ToolCounters) -> Self {
+        self.metrics = Some(m);
+        self
+    }
+
+    fn counted<T>(&self, input: &str, r: Result<T, BackendError>) -> Result<T, BackendError> {
+        if let Some(m) = &self.metrics {
+            m.count(input, &r);
+        }
+        r
     }
 }
 
@@ -42,6 +55,23 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> BackendError {
 
 impl IpSetExec for IpsetTool {
     fn save(&mut self) -> Result<String, BackendError> {
+        let r = self.run_save();
+        self.counted("", r)
+    }
+
+    fn restore(&mut self, script: &str) -> Result<(), BackendError> {
+        let r = self.run_restore(script);
+        self.counted(script, r)
+    }
+
+    fn detached_save(&self) -> Option<super::DetachedSave> {
+        let mut me = self.clone();
+        Some(Box::new(move || me.save()))
+    }
+}
+
+impl IpsetTool {
+    fn run_save(&self) -> Result<String, BackendError> {
         let out = Command::new(&self.program)
             .arg("save")
             .stdin(Stdio::null())
@@ -61,7 +91,7 @@ impl IpSetExec for IpsetTool {
         })
     }
 
-    fn restore(&mut self, script: &str) -> Result<(), BackendError> {
+    fn run_restore(&self, script: &str) -> Result<(), BackendError> {
         let mut cmd = Command::new(&self.program);
         cmd.args(["restore", "-exist"]);
         let out =
@@ -76,10 +106,5 @@ impl IpSetExec for IpsetTool {
             });
         }
         Ok(())
-    }
-
-    fn detached_save(&self) -> Option<super::DetachedSave> {
-        let mut me = self.clone();
-        Some(Box::new(move || me.save()))
     }
 }

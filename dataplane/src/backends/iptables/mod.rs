@@ -388,6 +388,12 @@ pub struct Table {
     /// unwritten before a check-read starts.
     last_write: Option<Instant>,
     check_delay: Duration,
+    /// Bumped whenever `observed` is read or written: the metrics count
+    /// our chains and rules again only then (a walk of every rule, which
+    /// at 300,000 rules is not for every apply).
+    observed_gen: u64,
+    /// (generation, chains, rules) last counted for the metrics.
+    counted: std::cell::Cell<Option<(u64, usize, usize)>>,
 }
 
 impl Table {
@@ -417,6 +423,8 @@ impl Table {
             writes: 0,
             last_write: None,
             check_delay: POST_WRITE_CHECK,
+            observed_gen: 0,
+            counted: std::cell::Cell::new(None),
         }
     }
 
@@ -546,6 +554,7 @@ impl Table {
     fn read(&mut self) -> Result<(), BackendError> {
         let text = self.exec.save(self.table)?;
         self.observed = Some(save::parse(&text, &self.own.comment_prefix));
+        self.observed_gen += 1;
         self.full_diff = true;
         Ok(())
     }
@@ -894,6 +903,7 @@ impl Table {
     /// (then every chain is diffed against it), or the chains that differ
     /// from what we believed (only those are looked at again).
     fn adopt(&mut self, result: ReadResult) {
+        self.observed_gen += 1;
         match result {
             ReadResult::Whole(read) => {
                 self.observed = Some(read);
@@ -1005,6 +1015,7 @@ impl Table {
             self.exec.restore(input)?;
         }
         self.observed = Some(observed);
+        self.observed_gen += 1;
         self.done();
         self.recheck_at = Some(Instant::now() + self.check_delay);
         Ok(ApplyOutcome {
@@ -1078,6 +1089,27 @@ impl Backend for Table {
             return Ok(ApplyOutcome::default());
         }
         self.apply_table()
+    }
+
+    fn export(&self, m: &crate::metrics::Metrics) {
+        // Unknown (not read yet, or a write failed): the last figures stay.
+        let Some(observed) = &self.observed else {
+            return;
+        };
+        let (chains, rules) = match self.counted.get() {
+            Some((generation, c, r)) if generation == self.observed_gen => (c, r),
+            _ => {
+                let (c, r) = owned_counts(observed, &self.own);
+                self.counted.set(Some((self.observed_gen, c, r)));
+                (c, r)
+            }
+        };
+        let label = crate::metrics::TableLabel {
+            ip_version: crate::metrics::version_label(self.version).ip_version,
+            table: self.table.to_string(),
+        };
+        m.iptables_chains.get_or_create(&label).set(chains as i64);
+        m.iptables_rules.get_or_create(&label).set(rules as i64);
     }
 }
 

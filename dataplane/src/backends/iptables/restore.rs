@@ -123,6 +123,7 @@ pub struct IptablesTool {
     wrapper: Vec<String>,
     backend: &'static str,
     flavor: Flavor,
+    metrics: Option<crate::metrics::IptablesToolMetrics>,
 }
 
 /// Chains per `iptables-nft-restore --noflush` transaction when a write is
@@ -144,7 +145,14 @@ impl IptablesTool {
                 IpVersion::V6 => "ip6tables",
             },
             flavor,
+            metrics: None,
         }
+    }
+
+    /// Count every save and restore (calls, failures, lines by table).
+    pub fn with_metrics(mut self, m: crate::metrics::IptablesToolMetrics) -> Self {
+        self.metrics = Some(m);
+        self
     }
 
     fn io(&self, context: String) -> impl FnOnce(std::io::Error) -> BackendError + use<> {
@@ -165,16 +173,37 @@ impl IptablesExec for IptablesTool {
     }
 
     fn save(&mut self, table: &str) -> Result<String, BackendError> {
-        run_save(&self.wrapper, &self.save, self.backend, table)
+        let r = run_save(&self.wrapper, &self.save, self.backend, table);
+        if let Some(m) = &self.metrics {
+            m.save.count("", &r);
+        }
+        r
     }
 
     fn detached_save(&self, table: &str) -> Option<super::DetachedSave> {
         let (wrapper, save, backend) = (self.wrapper.clone(), self.save.clone(), self.backend);
         let table = table.to_string();
-        Some(Box::new(move || run_save(&wrapper, &save, backend, &table)))
+        let counters = self.metrics.as_ref().map(|m| m.save.clone());
+        Some(Box::new(move || {
+            let r = run_save(&wrapper, &save, backend, &table);
+            if let Some(c) = &counters {
+                c.count("", &r);
+            }
+            r
+        }))
     }
 
     fn restore(&mut self, input: &str) -> Result<(), BackendError> {
+        let r = self.run_restore(input);
+        if let Some(m) = &self.metrics {
+            m.count_restore(input, &r);
+        }
+        r
+    }
+}
+
+impl IptablesTool {
+    fn run_restore(&self, input: &str) -> Result<(), BackendError> {
         let mut cmd = command(&self.wrapper, &self.restore);
         cmd.args(["--noflush", "--wait", "5"]);
         let out =

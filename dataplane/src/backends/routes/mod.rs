@@ -385,6 +385,19 @@ impl Backend for Routes {
         "routes"
     }
 
+    fn export(&self, m: &crate::metrics::Metrics) {
+        let s = &self.summary;
+        for (kind, n) in [
+            ("route", s.routes),
+            ("neighbour", s.neighbours),
+            ("fdb", s.fdb),
+        ] {
+            m.routes
+                .get_or_create(&crate::metrics::KindLabel { kind: kind.into() })
+                .set(n as i64);
+        }
+    }
+
     fn phases(&self) -> &'static [Phase] {
         &[Phase::RoutesAndRules]
     }

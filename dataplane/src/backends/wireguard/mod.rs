@@ -493,6 +493,37 @@ impl Backend for Wireguard {
         "wireguard"
     }
 
+    fn export(&self, m: &crate::metrics::Metrics) {
+        for f in &self.families {
+            let v = crate::metrics::version_label(f.version);
+            let up = matches!(f.state, State::Up);
+            let want = f.want.as_ref().filter(|_| up);
+            m.wireguard_peers
+                .get_or_create(&v)
+                .set(want.map_or(0, |w| w.peers.len()) as i64);
+            // The peers we configured, as the device last reported them.
+            let peers = match (want, &f.observed) {
+                (Some(want), Some(have)) => want
+                    .peers
+                    .keys()
+                    .filter_map(|k| {
+                        have.peers.get(k).map(|p| crate::metrics::PeerReading {
+                            public_key: k.to_base64(),
+                            rx_bytes: p.rx_bytes,
+                            tx_bytes: p.tx_bytes,
+                            latest_handshake: p
+                                .last_handshake
+                                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                                .map(|d| d.as_secs()),
+                        })
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            };
+            m.kernel.set_wireguard(&v, peers);
+        }
+    }
+
     fn phases(&self) -> &'static [Phase] {
         &[Phase::Links]
     }
