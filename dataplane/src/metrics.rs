@@ -279,6 +279,8 @@ pub struct Metrics {
     pub in_sync: Gauge,
     /// Feeder streams open.
     pub feeders: Gauge,
+    /// StatusUpdates streams open.
+    pub watchers: Gauge,
     /// iptables-restore / iptables-save calls and failures, by IP version.
     pub iptables_restore_calls: Family<VersionLabel, Counter>,
     pub iptables_restore_errors: Family<VersionLabel, Counter>,
@@ -314,6 +316,7 @@ impl Default for Metrics {
             resyncs: Family::default(),
             in_sync: Gauge::default(),
             feeders: Gauge::default(),
+            watchers: Gauge::default(),
             iptables_restore_calls: Family::default(),
             iptables_restore_errors: Family::default(),
             iptables_save_calls: Family::default(),
@@ -393,6 +396,11 @@ impl Metrics {
             "grpc_feeders",
             "Feeder streams (ToDataplane) open",
             self.feeders.clone(),
+        );
+        registry.register(
+            "grpc_watchers",
+            "StatusUpdates streams open",
+            self.watchers.clone(),
         );
         registry.register(
             "iptables_restore_calls",

@@ -332,7 +332,11 @@ impl Dataplane for DataplaneService {
             (s.in_sync, s.wireguard_keys.clone())
         };
         let (out_tx, out_rx) = mpsc::channel(64);
+        let watchers = self.conn.metrics.watchers.clone();
         tokio::spawn(async move {
+            // Counted while this task runs.
+            watchers.inc();
+            let _counted = dec_on_drop(watchers);
             // A new watcher hears where things stand: in sync first (as
             // before there were keys), then this node's WireGuard keys.
             let mut now = Vec::new();
@@ -351,7 +355,13 @@ impl Dataplane for DataplaneService {
                 }
             }
             loop {
-                let item = match events.recv().await {
+                // A watcher that goes away ends its task at once, not at the
+                // next event.
+                let received = tokio::select! {
+                    r = events.recv() => r,
+                    () = out_tx.closed() => break,
+                };
+                let item = match received {
                     Ok(StatusEvent::DataplaneInSync) if already_in_sync => continue,
                     Ok(ev) => update(from_event(ev)),
                     Err(broadcast::error::RecvError::Lagged(missed)) => v1::StatusUpdate {
@@ -401,6 +411,17 @@ impl Dataplane for DataplaneService {
             details: s.details.into_iter().collect(),
         }))
     }
+}
+
+/// Decrements `g` when dropped (a watcher's task ends, however it ends).
+fn dec_on_drop(g: prometheus_client::metrics::gauge::Gauge) -> impl Drop {
+    struct Dec(prometheus_client::metrics::gauge::Gauge);
+    impl Drop for Dec {
+        fn drop(&mut self) {
+            self.0.dec();
+        }
+    }
+    Dec(g)
 }
 
 #[cfg(test)]

@@ -254,5 +254,27 @@ async fn metrics_count_what_the_daemon_did() -> Result<()> {
         0.0,
         "the push's stream ended"
     );
+
+    // A watcher is counted while its stream is open.
+    assert_eq!(get("dphandler_grpc_watchers"), 0.0);
+    let watch = c
+        .status_updates(dphandler_proto::v1::StatusUpdatesRequest {})
+        .await?
+        .into_inner();
+    let watchers = |want: f64| {
+        let ns = &ns;
+        async move {
+            for _ in 0..50 {
+                if scrape(ns, 19191)?.get("dphandler_grpc_watchers") == Some(&want) {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            bail!("grpc_watchers never {want}")
+        }
+    };
+    watchers(1.0).await?;
+    drop(watch);
+    watchers(0.0).await?;
     Ok(())
 }
