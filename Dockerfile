@@ -21,4 +21,6 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /home/builder/src/target/release/dphandler /usr/local/bin/dphandler
 COPY --from=build /home/builder/src/target/release/dphctl /usr/local/bin/dphctl
+# Felix's DataplaneDriver (it runs the driver without arguments).
+RUN ln -s dphctl /usr/local/bin/dphandler-felix-driver
 ENTRYPOINT ["/usr/local/bin/dphandler", "serve"]

@@ -14,6 +14,7 @@ use dphandler_proto::client::{self, TlsFiles};
 use dphandler_proto::v1::dataplane_client::DataplaneClient;
 use tonic::transport::Channel;
 
+mod felix_driver;
 mod push;
 mod status;
 mod watch;
@@ -100,12 +101,30 @@ enum Command {
     Watch(watch::WatchArgs),
     /// Show whether the dataplane is in sync and what it holds.
     Status(status::StatusArgs),
+    /// Felix's external dataplane driver: run by Felix
+    /// (UseInternalDataplaneDriver=false) with its pipes on fds 3 and 4;
+    /// forwards its messages to the daemon and the daemon's status back.
+    /// Also what `dphctl` does when called as `dphandler-felix-driver`.
+    FelixDriver(felix_driver::FelixDriverArgs),
 }
+
+/// The name under which `dphctl` is Felix's driver: Felix runs its
+/// `DataplaneDriver` without arguments.
+const DRIVER_NAME: &str = "dphandler-felix-driver";
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.first().is_some_and(|a| {
+        std::path::Path::new(a)
+            .file_name()
+            .is_some_and(|n| n == DRIVER_NAME)
+    }) {
+        argv.insert(1, "felix-driver".into());
+    }
+    let cli = Cli::parse_from(argv);
     let result = match cli.command {
+        Command::FelixDriver(a) => felix_driver::run(&cli.conn, a).await,
         Command::Push(a) => push::run(&cli.conn, a).await,
         Command::Watch(a) => watch::run(&cli.conn, a).await,
         Command::Status(a) => status::run(&cli.conn, a).await,

@@ -1,0 +1,389 @@
+//! A stock Felix's view of dphandler: an emulated Felix that does what
+//! `felix/dataplane/external/ext_dataplane.go` does — two pipes, the driver
+//! exec'd with no arguments (as `dphandler-felix-driver`, a symlink to
+//! dphctl) with them on fds 3 and 4, framed `felix.ToDataplane` messages
+//! numbered from 0 — and reads framed `felix.FromDataplane` replies. Behind
+//! the driver, the real daemon in a namespace with two workloads; packets
+//! show the policy is enforced. Then what makes the driver exit: a
+//! malformed frame, an oversized one, the server killed, no fds 3 and 4,
+//! SIGTERM. Needs root.
+
+use std::io::{BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use command_fds::{CommandFdExt, FdMapping};
+use dphandler_proto::felix::{self, from_dataplane::Payload as From};
+use dphandler_tests::lab::{self, WorkloadSpec, tcp_ok, yaml_msgs};
+use dphandler_tests::{Daemon, Netns, bin, privileged, tempdir};
+use prost::Message;
+
+/// Felix's side of the driver: its pipes, the frames read back, the
+/// driver's stderr.
+struct Felix {
+    child: Child,
+    to_driver: Option<std::io::PipeWriter>,
+    replies: mpsc::Receiver<felix::FromDataplane>,
+    stderr: Arc<Mutex<String>>,
+    seq: u64,
+}
+
+impl Felix {
+    /// Starts the driver as Felix does: `driver` with no arguments, fd 3
+    /// the read end of Felix's ToDataplane pipe, fd 4 the write end of its
+    /// FromDataplane pipe.
+    fn start(driver: &Path, socket: &Path) -> Result<Self> {
+        let (to_r, to_w) = std::io::pipe()?;
+        let (from_r, from_w) = std::io::pipe()?;
+        let mut cmd = Command::new(driver);
+        cmd.env("DPH_SOCKET", socket)
+            .env("DPH_FELIX_CONNECT_TIMEOUT_SECONDS", "5")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        cmd.fd_mappings(vec![
+            FdMapping {
+                parent_fd: OwnedFd::from(to_r),
+                child_fd: 3,
+            },
+            FdMapping {
+                parent_fd: OwnedFd::from(from_w),
+                child_fd: 4,
+            },
+        ])?;
+        let mut child = cmd.spawn().context("starting the driver")?;
+        // Felix closes its copies of the driver's ends.
+        drop(cmd);
+        let stderr = Arc::new(Mutex::new(String::new()));
+        {
+            let mut pipe = child.stderr.take().context("stderr")?;
+            let stderr = stderr.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    eprint!("[driver] {text}");
+                    stderr.lock().unwrap().push_str(&text);
+                }
+            });
+        }
+        let (tx, replies) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(from_r);
+            loop {
+                let mut len = [0u8; 8];
+                if r.read_exact(&mut len).is_err() {
+                    return;
+                }
+                let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+                if r.read_exact(&mut buf).is_err() {
+                    return;
+                }
+                let msg = felix::FromDataplane::decode(buf.as_slice()).expect("a FromDataplane");
+                if tx.send(msg).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            to_driver: Some(to_w),
+            replies,
+            stderr,
+            seq: 0,
+        })
+    }
+
+    fn write_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        let w = self.to_driver.as_mut().context("fd 3 closed")?;
+        w.write_all(bytes)?;
+        Ok(())
+    }
+
+    /// Frames and sends messages (YAML, as the other tests write them),
+    /// numbered on from Felix's counter.
+    fn send(&mut self, yaml: &str) -> Result<()> {
+        for m in yaml_msgs(self.seq, yaml) {
+            self.seq = m.sequence_number + 1;
+            let data = m.encode_to_vec();
+            let mut frame = (data.len() as u64).to_le_bytes().to_vec();
+            frame.extend(data);
+            self.write_raw(&frame)?;
+        }
+        Ok(())
+    }
+
+    /// Reads replies until one `matches`, within `secs`; the others seen
+    /// on the way are returned too.
+    fn until(
+        &self,
+        secs: u64,
+        what: &str,
+        mut matches: impl FnMut(&felix::FromDataplane) -> bool,
+    ) -> Result<Vec<felix::FromDataplane>> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        let mut seen = Vec::new();
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.replies.recv_timeout(left) {
+                Ok(m) => {
+                    let hit = matches(&m);
+                    seen.push(m);
+                    if hit {
+                        return Ok(seen);
+                    }
+                }
+                Err(_) => bail!("no {what} on fd 4 within {secs} s; saw {seen:?}"),
+            }
+        }
+    }
+
+    /// Waits for the driver to exit: its status and what it said.
+    fn exit(&mut self, secs: u64) -> Result<(std::process::ExitStatus, String)> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(st) = self.child.try_wait()? {
+                std::thread::sleep(Duration::from_millis(100)); // the last stderr
+                return Ok((st, self.stderr.lock().unwrap().clone()));
+            }
+            if Instant::now() >= until {
+                bail!("the driver did not exit within {secs} s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn said(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Felix {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `dphandler-felix-driver` in `dir`: a symlink to dphctl, the name under
+/// which it is Felix's driver.
+fn driver(dir: &Path) -> Result<std::path::PathBuf> {
+    let p = dir.join("dphandler-felix-driver");
+    std::os::unix::fs::symlink(bin("dphctl"), &p)?;
+    Ok(p)
+}
+
+fn workload(host: &Netns, iface: &str, n: u8, ip: &str) -> Result<Netns> {
+    lab::workload(
+        host,
+        WorkloadSpec {
+            iface,
+            n,
+            v4: ip,
+            v6: None,
+            host_route: true,
+            host_neigh: false,
+        },
+    )
+}
+
+fn wep(iface: &str, ip: &str, extra: &str) -> String {
+    format!(
+        "workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/{iface}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    ipv4Nets: [{ip}/32]\n    profileIds: [kns.ns]\n{extra}"
+    )
+}
+
+fn tcp(from: &Netns, to: &str, port: u16) -> bool {
+    let addr: SocketAddr = format!("{to}:{port}").parse().unwrap();
+    tcp_ok(from, addr, Duration::from_millis(700))
+}
+
+#[tokio::test]
+async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let host = Netns::new("fx")?;
+    host.run("ip", &["link", "set", "lo", "up"])?;
+    let w1 = workload(&host, "cali1", 1, "10.66.0.2")?;
+    let w2 = workload(&host, "cali2", 2, "10.66.0.3")?;
+    let _l = lab::serve(&w2.0, &[80, 81], &[]);
+    let socket = dir.path().join("dp.sock");
+    let d = Daemon::start(&host, &socket, &["--ipv6", "false", "--hostname", "node1"])?;
+    d.connect().await?;
+
+    let mut felix = Felix::start(&driver(dir.path())?, &socket)?;
+    // What Felix sends first: its config, then the snapshot, then InSync.
+    felix.send(
+        "configUpdate:\n  config: {FelixHostname: node1, WireguardEnabled: 'false', SomeFutureKey: x}\n",
+    )?;
+    let snapshot = format!(
+        "ipsetUpdate: {{id: 's:w1', members: ['10.66.0.2']}}\n---\n\
+         activeProfileUpdate:\n  id: {{name: kns.ns}}\n  profile:\n    inboundRules: [{{action: allow}}]\n    outboundRules: [{{action: allow}}]\n---\n\
+         activePolicyUpdate:\n  id: {{name: default.web}}\n  policy:\n    tier: default\n    inboundRules: [{{action: allow, protocol: {{name: tcp}}, dstPorts: [{{first: 80, last: 80}}], srcIpSetIds: ['s:w1']}}]\n---\n\
+         {}---\n{}---\ninSync: {{}}\n",
+        wep("cali1", "10.66.0.2", ""),
+        wep(
+            "cali2",
+            "10.66.0.3",
+            "    tiers: [{name: default, ingressPolicies: [{name: default.web}], defaultAction: deny}]\n"
+        ),
+    );
+    felix.send(&snapshot)?;
+    let seen = felix.until(20, "DataplaneInSync", |m| {
+        matches!(m.payload, Some(From::DataplaneInSync(_)))
+    })?;
+    // Endpoint status, as Felix writes it to the datastore.
+    let mut up = std::collections::BTreeSet::new();
+    let mut note_up = |m: &felix::FromDataplane| {
+        if let Some(From::WorkloadEndpointStatusUpdate(u)) = &m.payload
+            && u.status.as_ref().is_some_and(|s| s.status == "up")
+        {
+            up.insert(
+                u.id.as_ref()
+                    .map(|i| i.workload_id.clone())
+                    .unwrap_or_default(),
+            );
+        }
+        up.len() == 2
+    };
+    if !seen.iter().any(&mut note_up) {
+        felix.until(10, "both endpoints up", &mut note_up)?;
+    }
+    // The policy, enforced: tcp/80 from w1's set only.
+    assert!(tcp(&w1, "10.66.0.3", 80), "allowed by the policy");
+    assert!(!tcp(&w1, "10.66.0.3", 81), "denied by the tier's default");
+
+    // A delta: the policy opens 81 too.
+    felix.send(
+        "activePolicyUpdate:\n  id: {name: default.web}\n  policy:\n    tier: default\n    inboundRules: [{action: allow, protocol: {name: tcp}, dstPorts: [{first: 80, last: 81}], srcIpSetIds: ['s:w1']}]\n",
+    )?;
+    let mut ok = false;
+    for _ in 0..30 {
+        if tcp(&w1, "10.66.0.3", 81) {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the delta reached the kernel");
+
+    // A message the daemon refuses: logged with its sequence number.
+    let bad_seq = felix.seq;
+    felix.send("ipsetDeltaUpdate: {id: 's:w1', addedMembers: ['10.66.0.999']}\n")?;
+    let until = Instant::now() + Duration::from_secs(5);
+    while !felix
+        .said()
+        .contains(&format!("rejected: sequence {bad_seq}:"))
+    {
+        assert!(
+            Instant::now() < until,
+            "no rejection logged: {}",
+            felix.said()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(felix.said().contains("10.66.0.999"), "{}", felix.said());
+
+    // The heartbeat Felix's status reporter expects (first after 10 s).
+    felix.until(15, "ProcessStatusUpdate", |m| {
+        matches!(m.payload, Some(From::ProcessStatusUpdate(_)))
+    })?;
+
+    // Felix stopping: SIGTERM, and the driver is gone well within 4 s.
+    let t = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(felix.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    let (st, _) = felix.exit(4)?;
+    assert!(st.success(), "{st:?}");
+    eprintln!("driver ended {:?} after SIGTERM", t.elapsed());
+    Ok(())
+}
+
+#[tokio::test]
+async fn what_makes_the_driver_exit() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let ns = Netns::new("fxe")?;
+    let socket = dir.path().join("dp.sock");
+    let mut d = Some(Daemon::start(&ns, &socket, &["--hostname", "n1"])?);
+    d.as_ref().unwrap().connect().await?;
+    let drv = driver(dir.path())?;
+
+    // A frame that is not a ToDataplane.
+    let mut f = Felix::start(&drv, &socket)?;
+    f.write_raw(&[3, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff])?;
+    let (st, said) = f.exit(10)?;
+    assert!(!st.success(), "{said}");
+    assert!(
+        said.contains("frame 1 (3 bytes) from Felix is not a felix.ToDataplane"),
+        "{said}"
+    );
+
+    // A length no sane frame has.
+    let mut f = Felix::start(&drv, &socket)?;
+    f.write_raw(&u64::MAX.to_le_bytes())?;
+    let (st, said) = f.exit(10)?;
+    assert!(!st.success(), "{said}");
+    assert!(said.contains("over the limit"), "{said}");
+
+    // Felix closing fd 3 (it is going away): a clean end.
+    let mut f = Felix::start(&drv, &socket)?;
+    f.send("inSync: {}\n")?;
+    f.until(10, "DataplaneInSync", |m| {
+        matches!(m.payload, Some(From::DataplaneInSync(_)))
+    })?;
+    f.to_driver = None;
+    let (st, said) = f.exit(10)?;
+    assert!(st.success(), "{said}");
+    assert!(said.contains("Felix closed fd 3"), "{said}");
+
+    // Not run by Felix: no fds 3 and 4.
+    let out = Command::new(bin("dphctl"))
+        .args(["--socket"])
+        .arg(&socket)
+        .arg("felix-driver")
+        .output()?;
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("is not open") && said.contains("fds 3 and 4"),
+        "{said}"
+    );
+
+    // The server killed under a running driver: it exits non-zero (Felix
+    // then restarts, and its new driver sends the snapshot again).
+    let mut f = Felix::start(&drv, &socket)?;
+    f.send("inSync: {}\n")?;
+    f.until(10, "DataplaneInSync", |m| {
+        matches!(m.payload, Some(From::DataplaneInSync(_)))
+    })?;
+    d.take().unwrap().stop()?;
+    let (st, said) = f.exit(10)?;
+    assert!(!st.success(), "{said}");
+    assert!(
+        said.contains("lost the server") || said.contains("ended the"),
+        "{said}"
+    );
+
+    // And no server at all: it gives up after its connect timeout.
+    let mut f = Felix::start(&drv, &dir.path().join("nobody.sock"))?;
+    let (st, said) = f.exit(15)?;
+    assert!(!st.success(), "{said}");
+    assert!(said.contains("no dphandler within"), "{said}");
+    Ok(())
+}
