@@ -332,6 +332,8 @@ pub struct SyncLoop {
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     /// The message counters by kind, looked up once each.
     msg_counters: HashMap<&'static str, prometheus_client::metrics::counter::Counter>,
+    /// The loop's share of the ConfigUpdate.
+    config: config::ConfigState,
 }
 
 impl std::fmt::Debug for SyncLoop {
@@ -367,7 +369,15 @@ impl SyncLoop {
             apply_times: ApplyTimes::default(),
             metrics: None,
             msg_counters: HashMap::new(),
+            config: config::ConfigState::default(),
         }
+    }
+
+    /// What a ConfigUpdate's restart keys are compared with, where they
+    /// are kept, and how the log level changes.
+    pub fn with_config(mut self, settings: ConfigSettings) -> Self {
+        self.config = config::ConfigState::new(settings);
+        self
     }
 
     /// Keep `metrics` up to date.
@@ -412,6 +422,9 @@ impl SyncLoop {
     pub async fn run(mut self, mut ch: Channels, shutdown: impl std::future::Future<Output = ()>) {
         tokio::pin!(shutdown);
         let cfg = self.cfg.clone();
+        let refresh = |flag: Duration, key: Option<Duration>| {
+            Ticker::new(config::ConfigState::refresh(flag, key), cfg.jitter)
+        };
         let mut ipsets = Ticker::new(cfg.ipset_refresh, cfg.jitter);
         let mut routes = Ticker::new(cfg.route_refresh, cfg.jitter);
         let mut xdp = Ticker::new(cfg.xdp_refresh, cfg.jitter);
@@ -422,6 +435,12 @@ impl SyncLoop {
         let mut live = Ticker::new(cfg.liveness_tick, 0.0);
         let mut interfaces_open = true;
         loop {
+            if std::mem::take(&mut self.config.refresh_changed) {
+                let c = &self.config.current;
+                ipsets = refresh(cfg.ipset_refresh, c.ipsets_refresh);
+                routes = refresh(cfg.route_refresh, c.route_refresh);
+                iptables = refresh(cfg.iptables_refresh, c.iptables_refresh);
+            }
             if let Some(a) = &ch.alive {
                 a.store(alive_now(), std::sync::atomic::Ordering::Relaxed);
             }
@@ -484,6 +503,12 @@ impl SyncLoop {
 
     /// Whether every manager accepts `update`; if not, it is rejected.
     fn accepted(&mut self, session: SessionId, seq: u64, update: &Update) -> bool {
+        if let Update::Config(kv) = update
+            && let Err((field, why)) = config::ConfigState::check(kv)
+        {
+            self.reject(session, seq, &field, why);
+            return false;
+        }
         let verdict = self.managers.iter().find_map(|m| m.check(update).err());
         match verdict {
             None => true,
@@ -495,6 +520,9 @@ impl SyncLoop {
     }
 
     fn dispatch(&mut self, update: &Update) {
+        if let Update::Config(kv) = update {
+            self.config.on_config(kv);
+        }
         self.store.record(update);
         for m in &mut self.managers {
             m.on_update(update);
@@ -777,6 +805,7 @@ impl SyncLoop {
             .iter()
             .flat_map(|m| m.status())
             .chain(kernel.status())
+            .chain(self.config.details())
             .collect();
         self.status.details = details;
         if let Some(m) = &self.metrics {
@@ -892,6 +921,9 @@ fn iso_now() -> String {
         rem % 60
     )
 }
+
+mod config;
+pub use config::{ConfigSettings, LogLevelHook, read_kept};
 
 #[cfg(test)]
 mod tests;

@@ -38,6 +38,7 @@ pub fn start(
     managers: Vec<Box<dyn Manager>>,
     kernel: DesiredKernel,
     metrics: std::sync::Arc<dphandler_dataplane::metrics::Metrics>,
+    config: dphandler_dataplane::sync_loop::ConfigSettings,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> (Connector, JoinHandle<()>) {
     let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
@@ -60,6 +61,7 @@ pub fn start(
     let task = tokio::spawn(
         SyncLoop::new(cfg, managers, kernel)
             .with_metrics(metrics.clone())
+            .with_config(config)
             .run(ch, shutdown),
     );
     (

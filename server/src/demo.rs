@@ -144,6 +144,9 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
             .arg(&exe)
             .args(["serve", "--hostname", "node-1", "--socket"])
             .arg(&socket)
+            // The sandbox's state stays in the sandbox's directory.
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
             .env("DPH_LOG", log)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

@@ -284,6 +284,21 @@ struct ServeArgs {
     /// `/host/proc/sys/net` and points this at `/host/proc/sys`.
     #[arg(long, env = "DPH_PROC_SYS", default_value = "/proc/sys")]
     proc_sys: PathBuf,
+    /// The mark bits the daemon may use (Felix's IptablesMarkMask): accept,
+    /// pass, Felix's drop, two scratch bits and WireGuard's, from the
+    /// lowest; at least six bits.
+    #[arg(long, env = "DPH_IPTABLES_MARK_MASK", default_value = "0xffff0000")]
+    iptables_mark_mask: String,
+    /// What becomes of traffic from a workload to this host once its
+    /// egress policy allowed it (Felix's DefaultEndpointToHostAction):
+    /// `accept`, `drop` or `return` (to the rest of INPUT). Felix's default
+    /// is drop; Calico's manifests set accept, as here.
+    #[arg(
+        long,
+        env = "DPH_DEFAULT_ENDPOINT_TO_HOST_ACTION",
+        default_value = "accept"
+    )]
+    default_endpoint_to_host_action: dphandler_dataplane::model::config::EndpointToHost,
 }
 
 /// A `proto:port,…` list (one value, so clap does not take it for a
@@ -348,17 +363,31 @@ impl ServeArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).context("bad --log filter")?;
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    use tracing_subscriber::{EnvFilter, layer::SubscriberExt, reload, util::SubscriberInitExt};
+    let filter = EnvFilter::try_new(&cli.log).context("bad --log filter")?;
+    // The filter can change at run time (a ConfigUpdate's LogSeverityScreen).
+    let (filter, reload) = reload::Layer::new(filter);
+    let registry = tracing_subscriber::registry().with(filter);
     if cli.log_json {
-        fmt.json().init()
+        registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_writer(std::io::stderr),
+            )
+            .init()
     } else {
-        fmt.init()
+        registry
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .init()
     }
+    let flag = cli.log.clone();
+    let log_hook: dphandler_dataplane::sync_loop::LogLevelHook = Box::new(move |level| {
+        let f = EnvFilter::try_new(level.unwrap_or(&flag)).map_err(|e| e.to_string())?;
+        reload.reload(f).map_err(|e| e.to_string())
+    });
     match cli.command {
-        Command::Serve(args) => serve(*args).await,
+        Command::Serve(args) => serve(*args, log_hook).await,
         // On Ctrl-C the demo's future is dropped, and with it the guards that
         // stop the server and remove the namespace.
         Command::Demo(args) => tokio::select! {
@@ -383,7 +412,59 @@ fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     })
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+/// Where the restart keys of the last ConfigUpdate are kept.
+fn kept_config_path(args: &ServeArgs) -> Option<PathBuf> {
+    (!args.state_dir.as_os_str().is_empty()).then(|| args.state_dir.join("felix-config"))
+}
+
+/// The restart keys (`InterfacePrefix`, `IptablesMarkMask`, `IPForwarding`)
+/// the calc graph's last ConfigUpdate asked for, kept in the state
+/// directory: in force from this start on, over their flags (as a
+/// ConfigUpdate's keys are over the flags). Returns the mark mask.
+fn apply_kept_config(args: &mut ServeArgs, mask: u32) -> anyhow::Result<u32> {
+    use dphandler_dataplane::model::config::FelixConfig;
+    let Some(path) = kept_config_path(args) else {
+        return Ok(mask);
+    };
+    let kv = dphandler_dataplane::sync_loop::read_kept(&path)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let kept = match FelixConfig::parse(&kv) {
+        Ok(k) => k,
+        Err((key, why)) => {
+            warn!(path = %path.display(), key, %why, "ignoring the kept ConfigUpdate keys");
+            return Ok(mask);
+        }
+    };
+    if let Some(p) = kept.interface_prefix
+        && p != args.workload_iface_prefix
+    {
+        info!(from = %args.workload_iface_prefix, to = %p, "InterfacePrefix from the last ConfigUpdate (kept), over --workload-iface-prefix");
+        args.workload_iface_prefix = p;
+    }
+    if let Some(f) = kept.ip_forwarding {
+        let f = if f {
+            Forwarding::Enabled
+        } else {
+            Forwarding::Disabled
+        };
+        if f != args.ip_forwarding {
+            info!(to = ?f, "IPForwarding from the last ConfigUpdate (kept), over --ip-forwarding");
+            args.ip_forwarding = f;
+        }
+    }
+    Ok(match kept.mark_mask {
+        Some(m) if m != mask => {
+            info!(from = %format!("{mask:#x}"), to = %format!("{m:#x}"), "IptablesMarkMask from the last ConfigUpdate (kept), over --iptables-mark-mask");
+            m
+        }
+        _ => mask,
+    })
+}
+
+async fn serve(
+    args: ServeArgs,
+    log_hook: dphandler_dataplane::sync_loop::LogLevelHook,
+) -> anyhow::Result<()> {
     let signalled_by = shutdown_signal()?;
     let grace = std::time::Duration::try_from_secs_f64(args.shutdown_grace_seconds)
         .context("--shutdown-grace-seconds must be a non-negative number")?;
@@ -423,6 +504,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let names =
         SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
+    let mut args = args;
+    let mark_mask = dphandler_dataplane::model::config::FelixConfig::parse(&[(
+        "IptablesMarkMask".to_string(),
+        args.iptables_mark_mask.clone(),
+    )])
+    .map_err(|(_, why)| anyhow::anyhow!("--iptables-mark-mask: {why}"))?
+    .mark_mask
+    .expect("parsed");
+    let mark_mask = apply_kept_config(&mut args, mark_mask)?;
+    let marks = Marks::from_mask(mark_mask).map_err(|e| anyhow::anyhow!("mark mask: {e}"))?;
     if args.workload_iface_prefix.is_empty()
         || args.workload_iface_prefix.len() > 14
         || !args
@@ -592,13 +683,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             EndpointsConfig {
                 prefix: args.prefix.clone(),
                 workload_prefix: args.workload_iface_prefix.clone(),
-                marks: Marks::default(),
+                marks,
                 failsafe_in: args.failsafe_inbound.0.clone(),
                 failsafe_out: args.failsafe_outbound.0.clone(),
                 device_route_protocol: args.device_route_protocol,
                 vxlan: args.vxlan,
                 vxlan_port: args.vxlan_port,
                 wireguard: wireguard.clone(),
+                endpoint_to_host: args.default_endpoint_to_host_action,
             },
             names.clone(),
         )),
@@ -609,7 +701,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             rule_priority: args.wireguard_rule_priority,
             table: args.wireguard_table,
             table_v6: args.wireguard_table_v6,
-            fwmark: Marks::default().wireguard(),
+            fwmark: marks.wireguard(),
             device_protocol: args.device_route_protocol,
             ipv6: args.ipv6,
         })),
@@ -665,8 +757,24 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut registry = prometheus_client::registry::Registry::with_prefix("dphandler");
     metrics.register(&mut registry);
-    let (conn, loop_task) =
-        connector::start(loop_cfg, managers, kernel, metrics.clone(), loop_stop);
+    let config = dphandler_dataplane::sync_loop::ConfigSettings {
+        running: dphandler_dataplane::model::config::FelixConfig {
+            interface_prefix: Some(args.workload_iface_prefix.clone()),
+            mark_mask: Some(mark_mask),
+            ip_forwarding: Some(args.ip_forwarding == Forwarding::Enabled),
+            ..Default::default()
+        },
+        keep: kept_config_path(&args),
+        log_level: Some(log_hook),
+    };
+    let (conn, loop_task) = connector::start(
+        loop_cfg,
+        managers,
+        kernel,
+        metrics.clone(),
+        config,
+        loop_stop,
+    );
     if let Some(l) = metrics_listener {
         tokio::spawn(dphandler_server::health::serve_metrics(
             l,

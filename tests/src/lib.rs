@@ -132,9 +132,15 @@ impl Daemon {
         env: &[(&str, &str)],
     ) -> Result<Self> {
         let mut cmd = ns.command(bin("dphandler"));
-        cmd.args(["serve", "--socket"])
-            .arg(socket)
-            .args(extra)
+        cmd.args(["serve", "--socket"]).arg(socket);
+        // State (WireGuard keys, a ConfigUpdate's restart keys) beside the
+        // socket, never in the host's /var/lib/dphandler.
+        if !extra.contains(&"--state-dir") {
+            let name = socket.file_name().unwrap_or_default().to_string_lossy();
+            cmd.arg("--state-dir")
+                .arg(socket.with_file_name(format!("{name}.state")));
+        }
+        cmd.args(extra)
             .envs(env.iter().copied())
             .env("DPH_LOG", std::env::var("DPH_LOG").unwrap_or("info".into()));
         Self::spawn(cmd, socket)

@@ -177,6 +177,7 @@ impl Drop for Felix {
 /// `dphandler-felix-driver` in `dir`: a symlink to dphctl, the name under
 /// which it is Felix's driver.
 fn driver(dir: &Path) -> Result<std::path::PathBuf> {
+    std::fs::create_dir_all(dir)?;
     let p = dir.join("dphandler-felix-driver");
     std::os::unix::fs::symlink(bin("dphctl"), &p)?;
     Ok(p)
@@ -207,6 +208,27 @@ fn tcp(from: &Netns, to: &str, port: u16) -> bool {
     tcp_ok(from, addr, Duration::from_millis(700))
 }
 
+/// A ConfigUpdate as Felix sends it: the keys that matter to a dataplane
+/// (here the daemon's running values, or live ones), and some of Felix's
+/// own.
+const FELIX_CONFIG: &str = "FelixHostname: node1, InterfacePrefix: cali, \
+IptablesMarkMask: '0xffff0000', IPForwarding: Enabled, IpInIpEnabled: 'false', \
+VXLANEnabled: 'false', VXLANVNI: '4096', VXLANPort: '4789', VXLANMTU: '0', \
+WireguardEnabled: 'false', WireguardListeningPort: '51820', WireguardMTU: '0', \
+IptablesRefreshInterval: '90', IpsetsRefreshInterval: '90', RouteRefreshInterval: '90', \
+FailsafeInboundHostPorts: 'tcp:22,udp:68', FailsafeOutboundHostPorts: 'udp:53', \
+DefaultEndpointToHostAction: Accept, LogSeverityScreen: Info, \
+BPFEnabled: 'false', ReportingIntervalSecs: '30'";
+
+async fn details(socket: &Path) -> Result<std::collections::HashMap<String, String>> {
+    Ok(dphandler_tests::connect(socket)
+        .await?
+        .get_status(dphandler_proto::v1::GetStatusRequest {})
+        .await?
+        .into_inner()
+        .details)
+}
+
 #[tokio::test]
 async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     if !privileged() {
@@ -218,15 +240,16 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     let w1 = workload(&host, "cali1", 1, "10.66.0.2")?;
     let w2 = workload(&host, "cali2", 2, "10.66.0.3")?;
     let _l = lab::serve(&w2.0, &[80, 81], &[]);
+    // A service on the host itself, for workload-to-host traffic.
+    host.run("ip", &["addr", "add", "10.66.255.1/32", "dev", "lo"])?;
+    let _h = lab::serve(&host.0, &[8080], &[]);
     let socket = dir.path().join("dp.sock");
     let d = Daemon::start(&host, &socket, &["--ipv6", "false", "--hostname", "node1"])?;
     d.connect().await?;
 
     let mut felix = Felix::start(&driver(dir.path())?, &socket)?;
     // What Felix sends first: its config, then the snapshot, then InSync.
-    felix.send(
-        "configUpdate:\n  config: {FelixHostname: node1, WireguardEnabled: 'false', SomeFutureKey: x}\n",
-    )?;
+    felix.send(&format!("configUpdate:\n  config: {{{FELIX_CONFIG}}}\n"))?;
     let snapshot = format!(
         "ipsetUpdate: {{id: 's:w1', members: ['10.66.0.2']}}\n---\n\
          activeProfileUpdate:\n  id: {{name: kns.ns}}\n  profile:\n    inboundRules: [{{action: allow}}]\n    outboundRules: [{{action: allow}}]\n---\n\
@@ -295,6 +318,93 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     }
     assert!(felix.said().contains("10.66.0.999"), "{}", felix.said());
 
+    // ConfigUpdate: a bad value is a rejection naming the key.
+    let bad_seq = felix.seq;
+    felix.send(&format!(
+        "configUpdate:\n  config: {{{FELIX_CONFIG}, VXLANPort: '0'}}\n"
+    ))?;
+    let until = Instant::now() + Duration::from_secs(5);
+    let want = format!("rejected: sequence {bad_seq}: config_update.config[VXLANPort]");
+    while !felix.said().contains(&want) {
+        assert!(
+            Instant::now() < until,
+            "no rejection logged: {}",
+            felix.said()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A live key: workloads may reach the host (Accept), then not (Drop).
+    assert!(
+        tcp(&w1, "10.66.255.1", 8080),
+        "DefaultEndpointToHostAction Accept"
+    );
+    felix.send(&format!(
+        "configUpdate:\n  config: {{{}}}\n",
+        FELIX_CONFIG.replace(
+            "DefaultEndpointToHostAction: Accept",
+            "DefaultEndpointToHostAction: Drop"
+        )
+    ))?;
+    let mut blocked = false;
+    for _ in 0..30 {
+        if !tcp(&w1, "10.66.255.1", 8080) {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        blocked,
+        "DefaultEndpointToHostAction Drop reached the kernel: {}",
+        String::from_utf8_lossy(&host.run("iptables", &["-S", "dph-INPUT"])?.stdout)
+    );
+    assert!(tcp(&w1, "10.66.0.3", 80), "workload to workload unchanged");
+    // A key that needs a restart: reported, and kept for the next start.
+    felix.send(&format!(
+        "configUpdate:\n  config: {{{}}}\n",
+        FELIX_CONFIG.replace("InterfacePrefix: cali", "InterfacePrefix: tap")
+    ))?;
+    let mut d_ = std::collections::HashMap::new();
+    for _ in 0..50 {
+        d_ = details(&socket).await?;
+        if d_.contains_key("config.restart_needed.InterfacePrefix") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let said = d_
+        .get("config.restart_needed.InterfacePrefix")
+        .with_context(|| format!("{d_:?}"))?;
+    assert!(
+        said.contains("running cali, ConfigUpdate says tap"),
+        "{said}"
+    );
+    let kept = std::fs::read_to_string(dir.path().join("dp.sock.state/felix-config"))?;
+    assert!(kept.contains("InterfacePrefix=tap"), "{kept}");
+    // Everything else still as it was: workloads still talk.
+    assert!(tcp(&w1, "10.66.0.3", 80));
+    // A loop-level live key: the iptables refresh every second, as the
+    // resync counter shows.
+    let resyncs = || -> Result<f64> {
+        Ok(lab::scrape(&host, 9091)?
+            .get("dphandler_int_dataplane_resyncs_total{refresh=\"iptables\"}")
+            .copied()
+            .unwrap_or(0.0))
+    };
+    let before = resyncs()?;
+    felix.send(&format!(
+        "configUpdate:\n  config: {{{}}}\n",
+        FELIX_CONFIG
+            .replace(
+                "IptablesRefreshInterval: '90'",
+                "IptablesRefreshInterval: '1'"
+            )
+            .replace("InterfacePrefix: cali", "InterfacePrefix: tap")
+    ))?;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let after = resyncs()?;
+    assert!(after - before >= 2.0, "iptables resyncs {before} → {after}");
+
     // The heartbeat Felix's status reporter expects (first after 10 s).
     felix.until(15, "ProcessStatusUpdate", |m| {
         matches!(m.payload, Some(From::ProcessStatusUpdate(_)))
@@ -309,6 +419,30 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     let (st, _) = felix.exit(4)?;
     assert!(st.success(), "{st:?}");
     eprintln!("driver ended {:?} after SIGTERM", t.elapsed());
+
+    // The restart: the kept InterfacePrefix is in force; the calc graph,
+    // which asks for it, finds nothing waiting any more.
+    d.stop()?;
+    let d = Daemon::start(&host, &socket, &["--ipv6", "false", "--hostname", "node1"])?;
+    d.connect().await?;
+    let mut felix = Felix::start(&driver(&dir.path().join("again"))?, &socket)?;
+    felix.send(&format!(
+        "configUpdate:\n  config: {{{}}}\n---\ninSync: {{}}\n",
+        FELIX_CONFIG.replace("InterfacePrefix: cali", "InterfacePrefix: tap")
+    ))?;
+    felix.until(20, "DataplaneInSync", |m| {
+        matches!(m.payload, Some(From::DataplaneInSync(_)))
+    })?;
+    let input = String::from_utf8(host.run("iptables", &["-S", "dph-INPUT"])?.stdout)?;
+    assert!(input.contains("-i tap+"), "{input}");
+    assert!(!input.contains("-i cali+"), "{input}");
+    let d_ = details(&socket).await?;
+    assert!(
+        !d_.keys().any(|k| k.starts_with("config.restart_needed")),
+        "{d_:?}"
+    );
+    drop(felix);
+    drop(d);
     Ok(())
 }
 

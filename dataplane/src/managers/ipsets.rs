@@ -54,6 +54,8 @@ pub struct IpSetsManager {
     /// encapsulation: the set exists while VXLAN is on (or VTEPs are
     /// known).
     vxlan: Option<crate::model::routes::VxlanMode>,
+    /// `--vxlan`, before a ConfigUpdate's `VXLANEnabled`.
+    vxlan_flag: Option<crate::model::routes::VxlanMode>,
     encap: crate::model::Encapsulation,
 }
 
@@ -103,6 +105,7 @@ impl IpSetsManager {
             host_ips: None,
             vtep_parents: BTreeMap::new(),
             vxlan: None,
+            vxlan_flag: None,
             encap: crate::model::Encapsulation::default(),
         }
     }
@@ -135,6 +138,7 @@ impl IpSetsManager {
     /// and a rule cannot name a set that does not exist.
     pub fn with_vxlan_sources(mut self, mode: crate::model::routes::VxlanMode) -> Self {
         self.vxlan = Some(mode);
+        self.vxlan_flag = Some(mode);
         self.update_vxlan_sources();
         self
     }
@@ -330,6 +334,17 @@ impl Manager for IpSetsManager {
             Update::Encapsulation(e) if *e != self.encap => {
                 self.encap = *e;
                 self.update_vxlan_sources();
+            }
+            Update::Config(kv) => {
+                if let Some(flag) = self.vxlan_flag {
+                    // Checked at the edge ([`crate::model::config`]).
+                    let felix = crate::model::config::FelixConfig::parse(kv).unwrap_or_default();
+                    let mode = Some(felix.vxlan_mode(flag));
+                    if mode != self.vxlan {
+                        self.vxlan = mode;
+                        self.update_vxlan_sources();
+                    }
+                }
             }
             _ => {}
         }

@@ -6,6 +6,7 @@
 //! converts the wire messages into these types; the sync loop and the
 //! managers only ever see these.
 
+pub mod config;
 pub mod endpoints;
 pub mod ipsets;
 pub mod network;

@@ -21,41 +21,56 @@ use crate::backends::iptables::{MAX_CHAIN_NAME, Rule as IptRule, RuleError};
 use crate::model::ipsets::SetNames;
 use crate::model::{Action, IcmpMatch, Id, IpVersion, PolicyId, PortRange, Protocol, Rule};
 
-/// The mark bits, Felix's defaults within the mark mask 0xffff0000.
+/// The mark bits, allocated from the mark mask as Felix does
+/// (`IptablesMarkMask`, default 0xffff0000: accept 0x10000, pass 0x20000,
+/// WireGuard 0x200000).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Marks {
     pub accept: u32,
     pub pass: u32,
     pub scratch0: u32,
     pub scratch1: u32,
+    wireguard: u32,
 }
 
 impl Default for Marks {
     fn default() -> Self {
-        Self {
-            accept: 0x1_0000,
-            pass: 0x2_0000,
-            scratch0: 0x8_0000,
-            scratch1: 0x10_0000,
-        }
+        Self::from_mask(Self::MASK).expect("the default mask has room")
     }
 }
 
 impl Marks {
     /// Felix's mark mask.
     pub const MASK: u32 = 0xffff_0000;
-    /// The bit Felix gives Felix's drop mark (between pass and scratch0):
-    /// never handed out again here.
-    const DROP: u32 = 0x4_0000;
 
-    /// The WireGuard mark: the lowest bit of the mask after the bits
-    /// allocated before it (accept, pass, drop, scratch0, scratch1), as
-    /// Felix derives it (`driver.go`); 0x200000 with the defaults.
+    /// The mask's lowest bits, in Felix's order: accept, pass, drop
+    /// (Felix's; never handed out here, so that both agree on every bit),
+    /// scratch0, scratch1, WireGuard (`driver.go`). A mask with fewer
+    /// than six bits is refused.
+    pub fn from_mask(mask: u32) -> Result<Self, String> {
+        let bits: Vec<u32> = (0..32)
+            .map(|i| 1u32 << i)
+            .filter(|b| mask & b != 0)
+            .collect();
+        if bits.len() < 6 {
+            return Err(format!(
+                "{mask:#x} has {} bits; the marks need 6 (accept, pass, drop, two scratch bits, WireGuard)",
+                bits.len()
+            ));
+        }
+        Ok(Self {
+            accept: bits[0],
+            pass: bits[1],
+            scratch0: bits[3],
+            scratch1: bits[4],
+            wireguard: bits[5],
+        })
+    }
+
+    /// The WireGuard mark: the mask's next bit after the ones above
+    /// (0x200000 with the default mask).
     pub fn wireguard(&self) -> u32 {
-        let used = self.accept | self.pass | Self::DROP | self.scratch0 | self.scratch1;
-        let highest = 1u32 << (31 - used.leading_zeros());
-        let free = Self::MASK & !used & !(highest - 1) & !highest;
-        free & free.wrapping_neg()
+        self.wireguard
     }
 }
 

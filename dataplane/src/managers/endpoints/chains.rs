@@ -1,5 +1,6 @@
 //! Rendering the endpoint chains: pure functions of the manager's state.
 
+use crate::model::config::EndpointToHost;
 use std::collections::BTreeMap;
 
 use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
@@ -458,11 +459,15 @@ impl EndpointsManager {
                 .concat(),
             )?);
         }
-        input.extend([
-            rule(&["-i", &wl, "-j", &from])?,
-            on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?,
-            rule(&["-i", &wl, "-j", "DROP"])?,
-        ]);
+        // From a workload: its egress policy, then what
+        // DefaultEndpointToHostAction says of what that allowed.
+        input.push(rule(&["-i", &wl, "-j", &from])?);
+        match self.cfg.endpoint_to_host {
+            EndpointToHost::Accept => input.push(on_mark(&["-i", &wl], &mark(m.accept), "ACCEPT")?),
+            EndpointToHost::Return => input.push(on_mark(&["-i", &wl], &mark(m.accept), "RETURN")?),
+            EndpointToHost::Drop => {}
+        }
+        input.push(rule(&["-i", &wl, "-j", "DROP"])?);
         if active {
             input.push(already()?);
         }

@@ -67,7 +67,7 @@ pub const FILTER_HOOKS: [&str; 3] = ["INPUT", "FORWARD", "OUTPUT"];
 const RAW_HOOKS: [&str; 2] = ["PREROUTING", "OUTPUT"];
 const MANGLE_HOOKS: [&str; 1] = ["PREROUTING"];
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EndpointsConfig {
     /// Prefix of our objects (`dph`).
     pub prefix: String,
@@ -90,6 +90,10 @@ pub struct EndpointsConfig {
     /// to and from this host is accepted ahead of host-endpoint policy
     /// (Felix's "Allow incoming/outgoing Wireguard packets").
     pub wireguard: [crate::model::wireguard::WgSettings; 2],
+    /// What becomes of traffic from a workload to this host once the
+    /// workload's egress policy allowed it (Felix's
+    /// DefaultEndpointToHostAction).
+    pub endpoint_to_host: crate::model::config::EndpointToHost,
 }
 
 /// (protocol, port) pairs.
@@ -160,6 +164,9 @@ impl Dirty {
 
 #[derive(Debug)]
 pub struct EndpointsManager {
+    /// The flags' settings.
+    base: EndpointsConfig,
+    /// In force: `base` with the keys of the last ConfigUpdate.
     cfg: EndpointsConfig,
     sets: SetNames,
     chains: ChainNames,
@@ -251,6 +258,7 @@ impl EndpointsManager {
     pub fn new(cfg: EndpointsConfig, sets: SetNames) -> Self {
         let chains = ChainNames::new(&cfg.prefix);
         Self {
+            base: cfg.clone(),
             cfg,
             sets,
             chains,
@@ -494,6 +502,27 @@ impl Manager for EndpointsManager {
                 let wg = crate::model::wireguard::config_keys(kv);
                 if wg != self.wg_config {
                     self.wg_config = wg;
+                    self.dirty.statics = true;
+                }
+                // Failsafes, what workloads may send the host, VXLAN.
+                // Checked at the edge ([`crate::model::config`]).
+                let felix = crate::model::config::FelixConfig::parse(kv).unwrap_or_default();
+                let cfg = EndpointsConfig {
+                    failsafe_in: felix
+                        .failsafe_in
+                        .clone()
+                        .unwrap_or_else(|| self.base.failsafe_in.clone()),
+                    failsafe_out: felix
+                        .failsafe_out
+                        .clone()
+                        .unwrap_or_else(|| self.base.failsafe_out.clone()),
+                    endpoint_to_host: felix.endpoint_to_host.unwrap_or(self.base.endpoint_to_host),
+                    vxlan: felix.vxlan_mode(self.base.vxlan),
+                    vxlan_port: felix.vxlan_port.unwrap_or(self.base.vxlan_port),
+                    ..self.base.clone()
+                };
+                if cfg != self.cfg {
+                    self.cfg = cfg;
                     self.dirty.statics = true;
                 }
             }

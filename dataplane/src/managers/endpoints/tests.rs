@@ -19,6 +19,7 @@ fn mgr() -> EndpointsManager {
                 WgSettings::default_for(IpVersion::V4),
                 WgSettings::default_for(IpVersion::V6),
             ],
+            endpoint_to_host: Default::default(),
         },
         SetNames::new("dph").unwrap(),
     )
@@ -769,6 +770,88 @@ fn wireguard_to_and_from_this_host_whatever_host_policy_says() {
         "{:?}",
         v6["dph-INPUT"]
     );
+}
+
+#[test]
+fn a_config_update_changes_failsafes_endpoint_to_host_and_vxlan_live() {
+    let config = |m: &mut EndpointsManager, kv: &[(&str, &str)]| {
+        m.on_update(&Update::Config(
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ))
+    };
+    let mut m = mgr();
+    m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));
+    // A host endpoint: the failsafe chains are rendered for it.
+    link(&mut m, 2, "eth0", "10.0.0.1/24");
+    m.on_update(&Update::HostEndpoint(
+        HostEndpointId(id("h")),
+        hep(
+            crate::model::HostInterface::Named(IfaceName::new("eth0").unwrap()),
+            &[],
+        ),
+    ));
+    let mut k = kernel(IpVersion::V4);
+    let before = run(&mut m, &mut k, "filter");
+    assert!(
+        before["dph-failsafe-in"][0].contains("--dports 22,179"),
+        "{before:?}"
+    );
+    let from_wl = |f: &BTreeMap<String, Vec<String>>| -> Vec<String> {
+        f["dph-INPUT"]
+            .iter()
+            .filter(|r| r.starts_with("-i cali+"))
+            .cloned()
+            .collect()
+    };
+    // The flag's (Accept): what egress allowed is accepted.
+    assert_eq!(
+        from_wl(&before),
+        [
+            "-i cali+ -j dph-from-wl-dispatch",
+            "-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT",
+            "-i cali+ -j DROP"
+        ]
+    );
+    assert!(!before.values().flatten().any(|r| r.contains("4790")));
+    config(
+        &mut m,
+        &[
+            ("FailsafeInboundHostPorts", "tcp:2222"),
+            ("FailsafeOutboundHostPorts", "none"),
+            ("DefaultEndpointToHostAction", "Return"),
+            ("VXLANEnabled", "true"),
+            ("VXLANPort", "4790"),
+        ],
+    );
+    let after = run(&mut m, &mut k, "filter");
+    assert_eq!(
+        from_wl(&after),
+        [
+            "-i cali+ -j dph-from-wl-dispatch",
+            "-i cali+ -m mark --mark 0x10000/0x10000 -j RETURN",
+            "-i cali+ -j DROP"
+        ]
+    );
+    assert_eq!(
+        after["dph-failsafe-in"],
+        ["-p tcp -m multiport --dports 2222 -j ACCEPT"]
+    );
+    assert!(
+        after.get("dph-failsafe-out").is_none_or(Vec::is_empty),
+        "{after:?}"
+    );
+    assert!(
+        after["dph-INPUT"]
+            .iter()
+            .any(|r| r.contains("--dport 4790")),
+        "VXLAN on its new port: {:?}",
+        after["dph-INPUT"]
+    );
+    // The keys gone: the flags' again.
+    config(&mut m, &[]);
+    assert_eq!(run(&mut m, &mut k, "filter"), before);
 }
 
 #[test]

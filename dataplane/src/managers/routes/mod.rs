@@ -54,7 +54,7 @@ pub const IPIP_DEVICE: &str = "tunl0";
 
 pub use crate::model::routes::VxlanMode;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RoutesConfig {
     /// This node's name (`--hostname`; `FelixHostname` in a ConfigUpdate
     /// overrides it).
@@ -98,7 +98,13 @@ struct LinkInfo {
 
 #[derive(Debug)]
 pub struct RoutesManager {
+    /// The flags' settings.
+    base: RoutesConfig,
+    /// In force: `base` with the VXLAN keys of the last ConfigUpdate.
     cfg: RoutesConfig,
+    /// `IpInIpEnabled` of the last ConfigUpdate, over the calc graph's
+    /// Encapsulation.
+    ipip_override: Option<bool>,
     /// From a ConfigUpdate's `FelixHostname`.
     hostname_override: Option<String>,
     routes: BTreeMap<IpNet, Route>,
@@ -171,7 +177,9 @@ fn version_of(n: &IpNet) -> IpVersion {
 impl RoutesManager {
     pub fn new(cfg: RoutesConfig) -> Self {
         Self {
+            base: cfg.clone(),
             cfg,
+            ipip_override: None,
             hostname_override: None,
             routes: BTreeMap::new(),
             vteps: BTreeMap::new(),
@@ -438,6 +446,24 @@ impl Manager for RoutesManager {
             }
             Update::Encapsulation(e) => self.encap = *e,
             Update::Config(kv) => {
+                // Checked at the edge ([`crate::model::config`]).
+                let felix = crate::model::config::FelixConfig::parse(kv).unwrap_or_default();
+                let cfg = RoutesConfig {
+                    vxlan: felix.vxlan_mode(self.base.vxlan),
+                    vni: felix.vxlan_vni.unwrap_or(self.base.vni),
+                    port: felix.vxlan_port.unwrap_or(self.base.port),
+                    mtu: crate::model::config::FelixConfig::mtu(felix.vxlan_mtu, self.base.mtu),
+                    mtu_v6: crate::model::config::FelixConfig::mtu(
+                        felix.vxlan_mtu_v6,
+                        self.base.mtu_v6,
+                    ),
+                    ..self.base.clone()
+                };
+                if cfg != self.cfg || felix.ipip_enabled != self.ipip_override {
+                    info!(vxlan = ?cfg.vxlan, vni = cfg.vni, port = cfg.port, mtu = ?cfg.mtu, ipip = ?felix.ipip_enabled, "VXLAN/IPIP settings from ConfigUpdate");
+                    self.cfg = cfg;
+                    self.ipip_override = felix.ipip_enabled;
+                }
                 let h = kv
                     .iter()
                     .find(|(k, _)| k == "FelixHostname")

@@ -17,7 +17,9 @@ impl RoutesManager {
         match pool {
             POOL_VXLAN => self.vxlan_on(v),
             POOL_NO_ENCAP => self.encap.no_encap_enabled,
-            POOL_IPIP => self.encap.ipip_enabled && v == IpVersion::V4,
+            POOL_IPIP => {
+                self.ipip_override.unwrap_or(self.encap.ipip_enabled) && v == IpVersion::V4
+            }
             _ => false,
         }
     }
