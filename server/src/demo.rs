@@ -28,6 +28,11 @@ pub struct DemoArgs {
     /// Seconds to wait for DataplaneInSync.
     #[arg(long, env = "DPH_DEMO_TIMEOUT", default_value_t = 30.0)]
     timeout: f64,
+    /// Be Felix instead of a gRPC client: run `dphctl felix-driver` with
+    /// pipes on its fds 3 and 4 and send the scenario as framed
+    /// felix.ToDataplane messages, as Felix's external-driver mode does.
+    #[arg(long, env = "DPH_DEMO_VIA_FELIX_DRIVER")]
+    via_felix_driver: bool,
 }
 
 /// The node-wide sysctls the daemon sets (see `backends::sysctl`).
@@ -179,6 +184,24 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         .await?
         .into_inner();
 
+    if args.via_felix_driver {
+        let started = Instant::now();
+        let driver = exe.with_file_name("dphctl");
+        let replies = as_felix(&driver, &socket, msgs, total, &name, timeout)?;
+        println!(
+            "DataplaneInSync on fd 4 after {:.1} ms; what else the driver wrote to Felix:",
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        for r in replies {
+            println!(
+                "  {}",
+                dphandler_proto::text::to_json("felix.FromDataplane", &r)?
+            );
+        }
+        show(&mut client, &ns.0, &before).await?;
+        drop(updates);
+        return stop(server, client, &ns.0);
+    }
     println!("pushing {total} messages from the {name} over ToDataplane");
     let started = Instant::now();
     let mut replies = client
@@ -220,6 +243,122 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
             r.sequence_number, r.field, r.reason
         );
     }
+    show(&mut client, &ns.0, &before).await?;
+    drop(replies);
+    drop(updates);
+    stop(server, client, &ns.0)
+}
+
+/// Ends the server by PID (SIGTERM), once the client is gone.
+fn stop(
+    mut server: Server,
+    client: dphandler_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>,
+    ns: &str,
+) -> anyhow::Result<()> {
+    drop(client);
+    let status = server.stop()?;
+    if !status.success() {
+        bail!("the server exited with {status}");
+    }
+    println!("server stopped by SIGTERM ({status}); removing namespace {ns}");
+    Ok(())
+}
+
+/// Felix's external-driver mode (`felix/dataplane/external`): the driver
+/// exec'd with Felix's two pipes on fds 3 and 4, the messages framed (an
+/// 8-byte little-endian length, then the protobuf) and numbered from 0;
+/// what the driver writes back is read until DataplaneInSync. The driver's
+/// stderr (its rejections) goes to ours, as Felix copies it.
+fn as_felix(
+    driver: &std::path::Path,
+    socket: &std::path::Path,
+    mut msgs: Vec<felix::ToDataplane>,
+    total: usize,
+    name: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<felix::FromDataplane>> {
+    use command_fds::{CommandFdExt, FdMapping};
+    use prost::Message;
+    use std::io::{Read, Write};
+    let (to_r, mut to_w) = std::io::pipe()?;
+    let (mut from_r, from_w) = std::io::pipe()?;
+    let mut cmd = Command::new(driver);
+    cmd.arg("felix-driver")
+        .env("DPH_SOCKET", socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    cmd.fd_mappings(vec![
+        FdMapping {
+            parent_fd: to_r.into(),
+            child_fd: 3,
+        },
+        FdMapping {
+            parent_fd: from_w.into(),
+            child_fd: 4,
+        },
+    ])?;
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", driver.display()))?;
+    drop(cmd);
+    let mut child = Server(child);
+    println!(
+        "as Felix: {} felix-driver (pid {}) on fds 3 and 4; {total} framed messages from the {name}",
+        driver.display(),
+        child.0.id()
+    );
+    for (i, m) in msgs.iter_mut().enumerate() {
+        m.sequence_number = i as u64;
+        let data = m.encode_to_vec();
+        to_w.write_all(&(data.len() as u64).to_le_bytes())?;
+        to_w.write_all(&data)?;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        loop {
+            let mut len = [0u8; 8];
+            if from_r.read_exact(&mut len).is_err() {
+                return;
+            }
+            let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+            if from_r.read_exact(&mut buf).is_err() {
+                return;
+            }
+            let Ok(m) = felix::FromDataplane::decode(buf.as_slice()) else {
+                return;
+            };
+            if tx.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    let until = Instant::now() + timeout;
+    let mut seen = Vec::new();
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let m = rx
+            .recv_timeout(left)
+            .context("no DataplaneInSync from the driver on fd 4 in time")?;
+        if matches!(m.payload, Some(from_dataplane::Payload::DataplaneInSync(_))) {
+            break;
+        }
+        seen.push(m);
+    }
+    // Felix stopping: fd 3 closed, then SIGTERM (the driver ends at once).
+    drop(to_w);
+    let st = child.stop()?;
+    if !st.success() {
+        bail!("the driver ended with {st}");
+    }
+    Ok(seen)
+}
+
+/// What the sandbox holds now.
+async fn show(
+    client: &mut dphandler_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>,
+    ns: &str,
+    before: &[String],
+) -> anyhow::Result<()> {
     let st = client
         .get_status(v1::GetStatusRequest {})
         .await?
@@ -232,8 +371,8 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         "node-wide settings in the sandbox (the daemon turns forwarding on once policy is \
          programmed, as Felix does; --ip-forwarding disabled leaves the two forwarding knobs alone):"
     );
-    for (key, was) in NODE_SETTINGS.iter().zip(&before) {
-        println!("  {key:<34}{was} -> {}", sysctl(&ns.0, key));
+    for (key, was) in NODE_SETTINGS.iter().zip(before) {
+        println!("  {key:<34}{was} -> {}", sysctl(ns, key));
     }
     println!("objects held, by kind:");
     let mut kinds: Vec<_> = st.objects.iter().collect();
@@ -243,7 +382,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     }
     // What is in the sandbox's kernel now, read with the kernel's own tool.
     let save = Command::new("ip")
-        .args(["netns", "exec", &ns.0, "ipset", "save"])
+        .args(["netns", "exec", ns, "ipset", "save"])
         .output()
         .context("running ipset save in the sandbox")?;
     let mut sets: Vec<(String, String, usize)> = Vec::new();
@@ -265,7 +404,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     }
     for tool in ["iptables-save", "ip6tables-save"] {
         let out = Command::new("ip")
-            .args(["netns", "exec", &ns.0, tool, "-t", "filter"])
+            .args(["netns", "exec", ns, tool, "-t", "filter"])
             .output()
             .with_context(|| format!("running {tool} in the sandbox"))?;
         let text = String::from_utf8_lossy(&out.stdout);
@@ -286,13 +425,13 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
         ("VTEP neighbours", &["neigh", "show", "dev", "vxlan.calico"]),
     ] {
         println!("  {what}:");
-        let out = Command::new("ip").args(["-n", &ns.0]).args(args).output()?;
+        let out = Command::new("ip").args(["-n", ns]).args(args).output()?;
         for l in String::from_utf8_lossy(&out.stdout).lines() {
             println!("    {}", l.trim());
         }
     }
     let fdb = Command::new("bridge")
-        .args(["-n", &ns.0, "fdb", "show", "dev", "vxlan.calico"])
+        .args(["-n", ns, "fdb", "show", "dev", "vxlan.calico"])
         .output()?;
     println!("  VTEP FDB entries (bridge fdb):");
     for l in String::from_utf8_lossy(&fdb.stdout)
@@ -309,19 +448,7 @@ pub async fn run(args: DemoArgs, log: &str) -> anyhow::Result<()> {
     }
     println!(
         "(the workload's interface does not exist in the sandbox, so no route to it is \
-         programmed; WireGuard and XDP are the next issues: validated and held, not yet \
-         written to the kernel)"
-    );
-    drop(replies);
-    drop(updates);
-    drop(client);
-    let status = server.stop()?;
-    if !status.success() {
-        bail!("the server exited with {status}");
-    }
-    println!(
-        "server stopped by SIGTERM ({status}); removing namespace {}",
-        ns.0
+         programmed)"
     );
     Ok(())
 }

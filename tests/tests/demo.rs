@@ -56,3 +56,48 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn demo_as_felix_goes_through_the_felix_driver() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let out = Command::new(bin("dphandler"))
+        .args(["demo", "--via-felix-driver"])
+        .env("DPH_LOG", "warn")
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("felix-driver (pid") && stdout.contains("on fds 3 and 4"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("DataplaneInSync on fd 4 after"), "{stdout}");
+    // Felix numbers from 0: the invalid message is 8 here; the driver says
+    // so on the stderr Felix copies into its log.
+    assert!(
+        stderr.contains("dphctl felix-driver: rejected: sequence 8: ipset_update.members[1]"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("\"workloadEndpointStatusUpdate\":{\"id\":{\"orchestratorId\":\"k8s\",\"workloadId\":\"shop/backend-0\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("dph40s:frontend-pods        hash:ip       2 members"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("last programmed sequence 16"), "{stdout}");
+    let ns = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("dph-demo-"))
+        .expect("the demo names its namespace")
+        .trim_end_matches(';');
+    let list = Command::new("ip").args(["netns", "list"]).output()?;
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains(ns),
+        "{ns} was not removed"
+    );
+    Ok(())
+}
