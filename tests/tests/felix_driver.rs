@@ -521,3 +521,78 @@ async fn what_makes_the_driver_exit() -> Result<()> {
     assert!(said.contains("no dphandler within"), "{said}");
     Ok(())
 }
+
+#[tokio::test]
+async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let ns = Netns::new("fxl")?;
+    let socket = dir.path().join("dp.sock");
+    let log = dir.path().join("daemon.log");
+    // The daemon's stderr to a file: `sh` execs it, so the pid is its own.
+    let mut cmd = ns.command("sh");
+    cmd.args([
+        "-c",
+        "exec \"$0\" serve --hostname n1 --socket \"$1\" --state-dir \"$1.state\" 2>\"$2\"",
+    ])
+    .arg(bin("dphandler"))
+    .arg(&socket)
+    .arg(&log)
+    .env("DPH_LOG", "warn");
+    let d = Daemon::spawn(cmd, &socket)?;
+    let mut c = d.connect().await?;
+    let debug_lines = || -> Result<usize> {
+        Ok(std::fs::read_to_string(&log)?
+            .lines()
+            .filter(|l| l.contains("DEBUG"))
+            .count())
+    };
+    let (rej, _) = dphandler_tests::push(
+        &mut c,
+        yaml_msgs(
+            1,
+            "ipsetUpdate: {id: 's:a', members: ['10.0.0.1']}\n---\ninSync: {}\n",
+        ),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    assert_eq!(debug_lines()?, 0, "--log warn");
+    let (rej, _) = dphandler_tests::push(
+        &mut c,
+        yaml_msgs(10, "configUpdate: {config: {LogSeverityScreen: Debug}}\n---\nipsetUpdate: {id: 's:b', members: ['10.0.0.2']}\n"),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let n = debug_lines()?;
+    assert!(
+        n > 0,
+        "LogSeverityScreen Debug: {}",
+        std::fs::read_to_string(&log)?
+    );
+    // Without the key: --log again.
+    let (rej, _) = dphandler_tests::push(
+        &mut c,
+        yaml_msgs(
+            20,
+            "configUpdate: {config: {}}\n---\nipsetUpdate: {id: 's:c', members: ['10.0.0.3']}\n",
+        ),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_off = debug_lines()?;
+    let (rej, _) = dphandler_tests::push(
+        &mut c,
+        yaml_msgs(30, "ipsetUpdate: {id: 's:d', members: ['10.0.0.4']}\n"),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(debug_lines()?, after_off, "back to warn");
+    drop(c);
+    assert!(d.stop()?.success());
+    Ok(())
+}

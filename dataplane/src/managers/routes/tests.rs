@@ -327,6 +327,43 @@ fn vxlan_off_removes_the_device_and_everything_through_it() {
 }
 
 #[test]
+fn config_update_vxlan_keys_change_the_device_and_routes_live() {
+    let config = |kv: &[(&str, &str)]| {
+        Update::Config(
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    };
+    let mut m = vxlan_node();
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k.vxlan.as_ref().unwrap().desired(VXLAN_V4).unwrap().clone();
+    assert_eq!((dev.vni, dev.port), (4096, 4789));
+    let before = routes(&k);
+    // Another VNI, port and MTU: the device as the ConfigUpdate says.
+    m.on_update(&config(&[
+        ("VXLANVNI", "4097"),
+        ("VXLANPort", "4790"),
+        ("VXLANMTU", "1300"),
+    ]));
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k.vxlan.as_ref().unwrap().desired(VXLAN_V4).unwrap();
+    assert_eq!((dev.vni, dev.port, dev.mtu), (4097, 4790, 1300));
+    // VXLANEnabled false wins over the calc graph's Encapsulation.
+    m.on_update(&config(&[("VXLANEnabled", "false")]));
+    m.complete_deferred_work(&mut k).unwrap();
+    assert_eq!(k.vxlan.as_ref().unwrap().desired(VXLAN_V4), None);
+    assert!(routes(&k).is_empty(), "{:?}", routes(&k));
+    // No keys: the flags and the Encapsulation again.
+    m.on_update(&config(&[]));
+    m.complete_deferred_work(&mut k).unwrap();
+    let dev = k.vxlan.as_ref().unwrap().desired(VXLAN_V4).unwrap();
+    assert_eq!((dev.vni, dev.port), (4096, 4789));
+    assert_eq!(routes(&k), before);
+}
+
+#[test]
 fn the_node_name_from_config_decides_which_vtep_is_ours() {
     let mut m = vxlan_node();
     m.on_update(&Update::Config(vec![(
@@ -475,6 +512,17 @@ fn no_encap_and_ipip_pools() {
     );
     assert!(
         routes(&k).contains(&"10.67.2.0/26 via 192.168.50.2 dev tunl0 onlink proto 80".to_string()),
+        "{:?}",
+        routes(&k)
+    );
+    // IpInIpEnabled false in a ConfigUpdate: IPIP pools are not ours.
+    m.on_update(&Update::Config(vec![(
+        "IpInIpEnabled".into(),
+        "false".into(),
+    )]));
+    m.complete_deferred_work(&mut k).unwrap();
+    assert!(
+        !routes(&k).iter().any(|r| r.contains("tunl0")),
         "{:?}",
         routes(&k)
     );
