@@ -260,6 +260,22 @@ pub fn workload(host: &Netns, s: WorkloadSpec<'_>) -> Result<Netns> {
     Ok(wl)
 }
 
+/// An IPv4-only workload `n` on `iface` with address `ip`, the host's
+/// route to it added by hand (the daemon takes it over).
+pub fn workload_v4(host: &Netns, iface: &str, n: u8, ip: &str) -> Result<Netns> {
+    workload(
+        host,
+        WorkloadSpec {
+            iface,
+            n,
+            v4: ip,
+            v6: None,
+            host_route: true,
+            host_neigh: false,
+        },
+    )
+}
+
 /// Forgets every learnt IPv6 neighbour in `ns` (permanent ones stay), so
 /// that the next packet has to resolve its next hop by NDP again.
 pub fn forget_ipv6_neighbours(ns: &Netns) -> Result<()> {

@@ -6,6 +6,21 @@ use std::process::Command;
 use anyhow::Result;
 use dphandler_tests::{bin, privileged};
 
+/// The namespace the demo named in its output is gone.
+fn namespace_is_gone(stdout: &str) -> Result<()> {
+    let ns = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("dph-demo-"))
+        .expect("the demo names its namespace")
+        .trim_end_matches(';');
+    let list = Command::new("ip").args(["netns", "list"]).output()?;
+    assert!(
+        !String::from_utf8_lossy(&list.stdout).contains(ns),
+        "{ns} was not removed"
+    );
+    Ok(())
+}
+
 #[test]
 fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
     if !privileged() {
@@ -44,17 +59,7 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         assert!(stdout.contains(want), "{want:?} in {stdout}");
     }
     // The namespace it named is gone.
-    let ns = stdout
-        .split_whitespace()
-        .find(|w| w.starts_with("dph-demo-"))
-        .expect("the demo names its namespace")
-        .trim_end_matches(';');
-    let list = Command::new("ip").args(["netns", "list"]).output()?;
-    assert!(
-        !String::from_utf8_lossy(&list.stdout).contains(ns),
-        "{ns} was not removed"
-    );
-    Ok(())
+    namespace_is_gone(&stdout)
 }
 
 #[test]
@@ -89,15 +94,5 @@ fn demo_as_felix_goes_through_the_felix_driver() -> Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("last programmed sequence 16"), "{stdout}");
-    let ns = stdout
-        .split_whitespace()
-        .find(|w| w.starts_with("dph-demo-"))
-        .expect("the demo names its namespace")
-        .trim_end_matches(';');
-    let list = Command::new("ip").args(["netns", "list"]).output()?;
-    assert!(
-        !String::from_utf8_lossy(&list.stdout).contains(ns),
-        "{ns} was not removed"
-    );
-    Ok(())
+    namespace_is_gone(&stdout)
 }

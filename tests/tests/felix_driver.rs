@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use command_fds::{CommandFdExt, FdMapping};
 use dphandler_proto::felix::{self, from_dataplane::Payload as From};
-use dphandler_tests::lab::{self, WorkloadSpec, tcp_ok, yaml_msgs};
+use dphandler_tests::lab::{self, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, bin, privileged, tempdir};
 use prost::Message;
 
@@ -183,20 +183,6 @@ fn driver(dir: &Path) -> Result<std::path::PathBuf> {
     Ok(p)
 }
 
-fn workload(host: &Netns, iface: &str, n: u8, ip: &str) -> Result<Netns> {
-    lab::workload(
-        host,
-        WorkloadSpec {
-            iface,
-            n,
-            v4: ip,
-            v6: None,
-            host_route: true,
-            host_neigh: false,
-        },
-    )
-}
-
 fn wep(iface: &str, ip: &str, extra: &str) -> String {
     format!(
         "workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/{iface}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    ipv4Nets: [{ip}/32]\n    profileIds: [kns.ns]\n{extra}"
@@ -237,8 +223,8 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     let dir = tempdir()?;
     let host = Netns::new("fx")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    let w1 = workload(&host, "cali1", 1, "10.66.0.2")?;
-    let w2 = workload(&host, "cali2", 2, "10.66.0.3")?;
+    let w1 = lab::workload_v4(&host, "cali1", 1, "10.66.0.2")?;
+    let w2 = lab::workload_v4(&host, "cali2", 2, "10.66.0.3")?;
     let _l = lab::serve(&w2.0, &[80, 81], &[]);
     // A service on the host itself, for workload-to-host traffic.
     host.run("ip", &["addr", "add", "10.66.255.1/32", "dev", "lo"])?;

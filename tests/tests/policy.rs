@@ -10,24 +10,14 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use dphandler_tests::lab::{self, WorkloadSpec, tcp_ok, yaml_msgs};
+use dphandler_tests::lab::{self, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 /// A workload namespace `iface` ↔ `eth0`, address `ip`, with the host's
 /// route to it added by hand (the daemon takes it over).
 fn workload(host: &Netns, iface: &str, ip: &str) -> Result<Netns> {
     let n = iface.trim_start_matches("cali").parse().unwrap_or(9);
-    lab::workload(
-        host,
-        WorkloadSpec {
-            iface,
-            n,
-            v4: ip,
-            v6: None,
-            host_route: true,
-            host_neigh: false,
-        },
-    )
+    lab::workload_v4(host, iface, n, ip)
 }
 
 fn listen(ns: &str, ports: &[u16]) -> lab::Servers {

@@ -315,16 +315,18 @@ impl FelixConfig {
     }
 }
 
+/// `[("k", "v")]` as a ConfigUpdate's pairs (tests).
+#[cfg(test)]
+pub(crate) fn kv(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn kv(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     #[test]
     fn felix_values_parse() {

@@ -188,13 +188,7 @@ impl ConfigState {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn kv(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::model::config::kv;
 
     #[test]
     fn restart_keys_are_reported_and_kept_live_ones_applied() {

@@ -774,12 +774,8 @@ fn wireguard_to_and_from_this_host_whatever_host_policy_says() {
 
 #[test]
 fn a_config_update_changes_failsafes_endpoint_to_host_and_vxlan_live() {
-    let config = |m: &mut EndpointsManager, kv: &[(&str, &str)]| {
-        m.on_update(&Update::Config(
-            kv.iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        ))
+    let config = |m: &mut EndpointsManager, pairs: &[(&str, &str)]| {
+        m.on_update(&Update::Config(crate::model::config::kv(pairs)))
     };
     let mut m = mgr();
     m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));

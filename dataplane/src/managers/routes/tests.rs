@@ -328,13 +328,7 @@ fn vxlan_off_removes_the_device_and_everything_through_it() {
 
 #[test]
 fn config_update_vxlan_keys_change_the_device_and_routes_live() {
-    let config = |kv: &[(&str, &str)]| {
-        Update::Config(
-            kv.iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        )
-    };
+    let config = |pairs: &[(&str, &str)]| Update::Config(crate::model::config::kv(pairs));
     let mut m = vxlan_node();
     let mut k = kernel();
     m.complete_deferred_work(&mut k).unwrap();
