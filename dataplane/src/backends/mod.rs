@@ -10,6 +10,7 @@
 pub mod ipsets;
 pub mod iptables;
 pub mod netlink;
+pub mod nftables;
 pub mod recording;
 pub mod routes;
 pub mod rules;

@@ -1,0 +1,611 @@
+//! nf_tables over netlink (`NETLINK_NETFILTER`), in our own messages on
+//! `netlink-sys`: one batch per commit (the kernel applies it whole or not
+//! at all, and validates each touched table once per commit), dumps to read
+//! back. The `rustables` crate speaks the same protocol but is GPL-3.0,
+//! which this Apache-2.0 project cannot ship linked in; `nft` is a process
+//! (30–50 ms) per change and fetches whole interval sets.
+//!
+//! What is here so far: tables, sets of IPv4 or IPv6 addresses (hash), and
+//! their elements — added, removed (idempotently: `DESTROY`), and read
+//! back. Chains, rules and maps come with the policy layout (see the
+//! module above).
+
+use std::io;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+
+// Netlink.
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+const NLM_F_CREATE: u16 = 0x400;
+const NLA_F_NESTED: u16 = 0x8000;
+// nfnetlink.
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 16;
+const NFNL_MSG_BATCH_END: u16 = 17;
+// enum nf_tables_msg_types.
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_GETTABLE: u16 = 1;
+const NFT_MSG_NEWSET: u16 = 9;
+const NFT_MSG_GETSET: u16 = 10;
+const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_GETSETELEM: u16 = 13;
+const NFT_MSG_DESTROYTABLE: u16 = 26;
+const NFT_MSG_DESTROYSET: u16 = 29;
+const NFT_MSG_DESTROYSETELEM: u16 = 30;
+// Attributes.
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
+const NFTA_SET_FLAGS: u16 = 3;
+const NFTA_SET_KEY_TYPE: u16 = 4;
+const NFTA_SET_KEY_LEN: u16 = 5;
+const NFTA_SET_ID: u16 = 10;
+const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
+const NFTA_SET_ELEM_LIST_SET: u16 = 2;
+const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_DATA_VALUE: u16 = 1;
+/// How long a reply may take.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+// nft's data types (`nft describe ipv4_addr`).
+const TYPE_IPADDR: u32 = 7;
+const TYPE_IP6ADDR: u32 = 8;
+
+/// An address family of nf_tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    Inet,
+    Ip,
+    Ip6,
+}
+
+impl Family {
+    fn number(self) -> u8 {
+        match self {
+            Self::Inet => 1,
+            Self::Ip => 2,
+            Self::Ip6 => 10,
+        }
+    }
+}
+
+/// What a set holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyType {
+    Ipv4Addr,
+    Ipv6Addr,
+}
+
+impl KeyType {
+    fn code(self) -> (u32, u32) {
+        match self {
+            Self::Ipv4Addr => (TYPE_IPADDR, 4),
+            Self::Ipv6Addr => (TYPE_IP6ADDR, 16),
+        }
+    }
+}
+
+/// One change in a commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Made if missing (an existing table is kept, with what it holds).
+    AddTable { family: Family, table: String },
+    /// Removed with everything in it, if there.
+    DestroyTable { family: Family, table: String },
+    /// Made if missing; an existing set of the same kind is kept.
+    AddSet {
+        family: Family,
+        table: String,
+        set: String,
+        key: KeyType,
+    },
+    DestroySet {
+        family: Family,
+        table: String,
+        set: String,
+    },
+    /// Elements added (those already there stay).
+    AddElements {
+        family: Family,
+        table: String,
+        set: String,
+        elements: Vec<IpAddr>,
+    },
+    /// Elements removed (those not there are no error).
+    DestroyElements {
+        family: Family,
+        table: String,
+        set: String,
+        elements: Vec<IpAddr>,
+    },
+}
+
+/// A set as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetInfo {
+    pub name: String,
+    pub key_type: u32,
+    pub key_len: u32,
+    pub flags: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("nf_tables netlink: {0}")]
+    Io(#[source] io::Error),
+    /// The kernel refused the commit (nothing of it applied): which
+    /// change, and why. Retrying the same commit will fail the same way
+    /// unless the kernel's state changed meanwhile.
+    #[error("nf_tables refused {op}: {source}")]
+    Refused {
+        op: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("nf_tables: {0}")]
+    Protocol(String),
+}
+
+/// Appends attribute `ty` with `payload`, padded to 4 bytes.
+fn attr(buf: &mut Vec<u8>, ty: u16, payload: &[u8]) {
+    let len = 4 + payload.len();
+    buf.extend_from_slice(&(len as u16).to_ne_bytes());
+    buf.extend_from_slice(&ty.to_ne_bytes());
+    buf.extend_from_slice(payload);
+    buf.resize(buf.len().next_multiple_of(4), 0);
+}
+
+fn attr_str(buf: &mut Vec<u8>, ty: u16, s: &str) {
+    let mut p = s.as_bytes().to_vec();
+    p.push(0);
+    attr(buf, ty, &p);
+}
+
+/// nf_tables numbers are big-endian.
+fn attr_u32(buf: &mut Vec<u8>, ty: u16, v: u32) {
+    attr(buf, ty, &v.to_be_bytes());
+}
+
+fn nested(buf: &mut Vec<u8>, ty: u16, inner: impl FnOnce(&mut Vec<u8>)) {
+    let mut i = Vec::new();
+    inner(&mut i);
+    attr(buf, ty | NLA_F_NESTED, &i);
+}
+
+/// One netlink message: header, nfgenmsg, attributes.
+fn message(ty: u16, flags: u16, seq: u32, family: u8, res_id: u16, attrs: &[u8]) -> Vec<u8> {
+    let len = 16 + 4 + attrs.len();
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(len as u32).to_ne_bytes());
+    m.extend_from_slice(&ty.to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.push(family);
+    m.push(0); // NFNETLINK_V0
+    m.extend_from_slice(&res_id.to_be_bytes());
+    m.extend_from_slice(attrs);
+    m
+}
+
+fn addr_bytes(a: &IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[IpAddr]) {
+    attr_str(buf, NFTA_SET_ELEM_LIST_TABLE, table);
+    attr_str(buf, NFTA_SET_ELEM_LIST_SET, set);
+    nested(buf, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
+        for e in elements {
+            nested(b, NFTA_LIST_ELEM, |b| {
+                nested(b, NFTA_SET_ELEM_KEY, |b| {
+                    attr(b, NFTA_DATA_VALUE, &addr_bytes(e));
+                })
+            });
+        }
+    });
+}
+
+/// Attributes of one message, as (type without flags, payload).
+fn attrs(mut b: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
+    while b.len() >= 4 {
+        let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+        let ty = u16::from_ne_bytes([b[2], b[3]]) & 0x3fff;
+        if len < 4 || len > b.len() {
+            break;
+        }
+        out.push((ty, &b[4..len]));
+        b = &b[len.next_multiple_of(4).min(b.len())..];
+    }
+    out
+}
+
+fn get<'a>(a: &[(u16, &'a [u8])], ty: u16) -> Option<&'a [u8]> {
+    a.iter().find(|(t, _)| *t == ty).map(|(_, p)| *p)
+}
+
+fn string(p: &[u8]) -> String {
+    String::from_utf8_lossy(p.split(|b| *b == 0).next().unwrap_or_default()).into_owned()
+}
+
+fn be_u32(p: &[u8]) -> u32 {
+    p.get(..4)
+        .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+/// A netlink socket to nf_tables in the caller's network namespace.
+#[derive(Debug)]
+pub struct NftNetlink {
+    sock: Socket,
+    seq: u32,
+    /// The send buffer asked for so far.
+    sndbuf: usize,
+}
+
+impl NftNetlink {
+    pub fn open() -> Result<Self, NftError> {
+        let mut sock = Socket::new(NETLINK_NETFILTER).map_err(NftError::Io)?;
+        sock.bind_auto().map_err(NftError::Io)?;
+        sock.connect(&SocketAddr::new(0, 0)).map_err(NftError::Io)?;
+        // A reply that never comes is an error, not a hang.
+        nix::sys::socket::setsockopt(
+            &sock,
+            nix::sys::socket::sockopt::ReceiveTimeout,
+            &nix::sys::time::TimeVal::new(REPLY_TIMEOUT.as_secs() as _, 0),
+        )
+        .map_err(|e| NftError::Io(e.into()))?;
+        Ok(Self {
+            sock,
+            seq: 1,
+            sndbuf: 0,
+        })
+    }
+
+    fn next_seq(&mut self) -> u32 {
+        self.seq = self.seq.wrapping_add(1).max(1);
+        self.seq
+    }
+
+    /// Applies `ops` as one transaction: all of them, or (on an error)
+    /// none.
+    pub fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let nft = |m: u16| (NFNL_SUBSYS_NFTABLES << 8) | m;
+        let mut batch = message(
+            NFNL_MSG_BATCH_BEGIN,
+            NLM_F_REQUEST,
+            self.next_seq(),
+            0,
+            NFNL_SUBSYS_NFTABLES,
+            &[],
+        );
+        let first = self.seq.wrapping_add(1);
+        // Each message's change (a large element list is several messages:
+        // an attribute holds at most 64 KiB).
+        let mut of_seq: Vec<usize> = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            for chunk in chunks(op) {
+                let seq = first.wrapping_add(of_seq.len() as u32);
+                of_seq.push(i);
+                let mut a = Vec::new();
+                let (ty, flags, family) = match chunk.as_ref() {
+                    Op::AddTable { family, table } => {
+                        attr_str(&mut a, NFTA_TABLE_NAME, table);
+                        (NFT_MSG_NEWTABLE, NLM_F_CREATE, *family)
+                    }
+                    Op::DestroyTable { family, table } => {
+                        attr_str(&mut a, NFTA_TABLE_NAME, table);
+                        (NFT_MSG_DESTROYTABLE, 0, *family)
+                    }
+                    Op::AddSet {
+                        family,
+                        table,
+                        set,
+                        key,
+                    } => {
+                        let (ty, len) = key.code();
+                        attr_str(&mut a, NFTA_SET_TABLE, table);
+                        attr_str(&mut a, NFTA_SET_NAME, set);
+                        attr_u32(&mut a, NFTA_SET_FLAGS, 0);
+                        attr_u32(&mut a, NFTA_SET_KEY_TYPE, ty);
+                        attr_u32(&mut a, NFTA_SET_KEY_LEN, len);
+                        attr_u32(&mut a, NFTA_SET_ID, seq);
+                        (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+                    }
+                    Op::DestroySet { family, table, set } => {
+                        attr_str(&mut a, NFTA_SET_TABLE, table);
+                        attr_str(&mut a, NFTA_SET_NAME, set);
+                        (NFT_MSG_DESTROYSET, 0, *family)
+                    }
+                    Op::AddElements {
+                        family,
+                        table,
+                        set,
+                        elements,
+                    } => {
+                        elements_attr(&mut a, table, set, elements);
+                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                    }
+                    Op::DestroyElements {
+                        family,
+                        table,
+                        set,
+                        elements,
+                    } => {
+                        elements_attr(&mut a, table, set, elements);
+                        (NFT_MSG_DESTROYSETELEM, 0, *family)
+                    }
+                };
+                batch.extend(message(
+                    nft(ty),
+                    NLM_F_REQUEST | NLM_F_ACK | flags,
+                    seq,
+                    family.number(),
+                    0,
+                    &a,
+                ));
+            }
+        }
+        self.seq = first.wrapping_add(of_seq.len() as u32);
+        batch.extend(message(
+            NFNL_MSG_BATCH_END,
+            NLM_F_REQUEST,
+            self.next_seq(),
+            0,
+            NFNL_SUBSYS_NFTABLES,
+            &[],
+        ));
+        // The kernel takes a batch as one datagram: the socket's send
+        // buffer must hold it (as `nft` makes it).
+        if batch.len() + 4096 > self.sndbuf {
+            self.sndbuf = (batch.len() + 4096).next_power_of_two();
+            nix::sys::socket::setsockopt(
+                &self.sock,
+                nix::sys::socket::sockopt::SndBufForce,
+                &self.sndbuf,
+            )
+            .map_err(|e| NftError::Io(e.into()))?;
+        }
+        self.sock.send(&batch, 0).map_err(NftError::Io)?;
+        // One ACK per message; the first error names its change.
+        let mut acked = 0;
+        while acked < of_seq.len() {
+            let (buf, _) = self.sock.recv_from_full().map_err(NftError::Io)?;
+            for (ty, seq, payload) in messages(&buf) {
+                if ty != NLMSG_ERROR {
+                    continue;
+                }
+                let code = payload
+                    .get(..4)
+                    .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                let i = seq.wrapping_sub(first) as usize;
+                if i >= of_seq.len() {
+                    continue; // an earlier commit's late reply
+                }
+                if code != 0 {
+                    let op = of_seq
+                        .get(i)
+                        .and_then(|&i| ops.get(i))
+                        .map_or_else(|| format!("seq {seq}"), describe);
+                    return Err(NftError::Refused {
+                        op,
+                        source: io::Error::from_raw_os_error(-code),
+                    });
+                }
+                acked += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// A dump: every data message's attributes.
+    fn dump(&mut self, ty: u16, family: Family, a: &[u8]) -> Result<Vec<Vec<u8>>, NftError> {
+        let seq = self.next_seq();
+        let m = message(
+            (NFNL_SUBSYS_NFTABLES << 8) | ty,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            seq,
+            family.number(),
+            0,
+            a,
+        );
+        self.sock.send(&m, 0).map_err(NftError::Io)?;
+        let mut out = Vec::new();
+        loop {
+            let (buf, _) = self.sock.recv_from_full().map_err(NftError::Io)?;
+            for (t, s, payload) in messages(&buf) {
+                if s != seq {
+                    continue;
+                }
+                match t {
+                    NLMSG_DONE => return Ok(out),
+                    NLMSG_ERROR => {
+                        let code = payload
+                            .get(..4)
+                            .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                        return Err(NftError::Io(io::Error::from_raw_os_error(-code)));
+                    }
+                    // Past the nfgenmsg.
+                    _ => out.push(payload.get(4..).unwrap_or_default().to_vec()),
+                }
+            }
+        }
+    }
+
+    /// The tables of `family`.
+    pub fn tables(&mut self, family: Family) -> Result<Vec<String>, NftError> {
+        Ok(self
+            .dump(NFT_MSG_GETTABLE, family, &[])?
+            .iter()
+            .filter_map(|m| get(&attrs(m), NFTA_TABLE_NAME).map(string))
+            .collect())
+    }
+
+    /// The sets of `table`.
+    pub fn sets(&mut self, family: Family, table: &str) -> Result<Vec<SetInfo>, NftError> {
+        let mut a = Vec::new();
+        attr_str(&mut a, NFTA_SET_TABLE, table);
+        Ok(self
+            .dump(NFT_MSG_GETSET, family, &a)?
+            .iter()
+            .map(|m| {
+                let a = attrs(m);
+                SetInfo {
+                    name: get(&a, NFTA_SET_NAME).map(string).unwrap_or_default(),
+                    key_type: get(&a, NFTA_SET_KEY_TYPE).map_or(0, be_u32),
+                    key_len: get(&a, NFTA_SET_KEY_LEN).map_or(0, be_u32),
+                    flags: get(&a, NFTA_SET_FLAGS).map_or(0, be_u32),
+                }
+            })
+            .collect())
+    }
+
+    /// The addresses in set `set` of `table`.
+    pub fn elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<IpAddr>, NftError> {
+        let mut a = Vec::new();
+        attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
+        attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
+        let mut out = Vec::new();
+        for m in self.dump(NFT_MSG_GETSETELEM, family, &a)? {
+            let top = attrs(&m);
+            let Some(list) = get(&top, NFTA_SET_ELEM_LIST_ELEMENTS) else {
+                continue;
+            };
+            for (t, elem) in attrs(list) {
+                if t != NFTA_LIST_ELEM {
+                    continue;
+                }
+                let Some(key) = get(&attrs(elem), NFTA_SET_ELEM_KEY) else {
+                    continue;
+                };
+                let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
+                    continue;
+                };
+                match v.len() {
+                    4 => out.push(IpAddr::from(<[u8; 4]>::try_from(v).expect("4 bytes"))),
+                    16 => out.push(IpAddr::from(<[u8; 16]>::try_from(v).expect("16 bytes"))),
+                    n => {
+                        return Err(NftError::Protocol(format!(
+                            "set {table}/{set}: a key of {n} bytes is not an address"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Elements per message: an attribute holds at most 64 KiB (an IPv6
+/// element takes 28 bytes).
+const ELEMENTS_PER_MESSAGE: usize = 1024;
+
+/// `op` as messages: element lists in slices.
+fn chunks(op: &Op) -> Vec<std::borrow::Cow<'_, Op>> {
+    use std::borrow::Cow;
+    let (Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. }) = op else {
+        return vec![Cow::Borrowed(op)];
+    };
+    if elements.len() <= ELEMENTS_PER_MESSAGE {
+        return vec![Cow::Borrowed(op)];
+    }
+    elements
+        .chunks(ELEMENTS_PER_MESSAGE)
+        .map(|c| {
+            let mut part = op.clone();
+            if let Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. } =
+                &mut part
+            {
+                *elements = c.to_vec();
+            }
+            Cow::Owned(part)
+        })
+        .collect()
+}
+
+/// (type, seq, payload) of each message in a datagram.
+fn messages(mut b: &[u8]) -> Vec<(u16, u32, &[u8])> {
+    let mut out = Vec::new();
+    while b.len() >= 16 {
+        let len = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        let ty = u16::from_ne_bytes([b[4], b[5]]);
+        let seq = u32::from_ne_bytes([b[8], b[9], b[10], b[11]]);
+        if len < 16 || len > b.len() {
+            break;
+        }
+        out.push((ty, seq, &b[16..len]));
+        b = &b[len.next_multiple_of(4).min(b.len())..];
+    }
+    out
+}
+
+fn describe(op: &Op) -> String {
+    match op {
+        Op::AddTable { table, .. } => format!("adding table {table}"),
+        Op::DestroyTable { table, .. } => format!("removing table {table}"),
+        Op::AddSet { table, set, .. } => format!("adding set {table}/{set}"),
+        Op::DestroySet { table, set, .. } => format!("removing set {table}/{set}"),
+        Op::AddElements {
+            table,
+            set,
+            elements,
+            ..
+        } => format!("adding {} elements to {table}/{set}", elements.len()),
+        Op::DestroyElements {
+            table,
+            set,
+            elements,
+            ..
+        } => format!("removing {} elements from {table}/{set}", elements.len()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attributes_are_padded_and_read_back() {
+        let mut b = Vec::new();
+        attr_str(&mut b, NFTA_SET_NAME, "abc");
+        attr_u32(&mut b, NFTA_SET_KEY_LEN, 4);
+        nested(&mut b, NFTA_SET_ELEM_KEY, |b| {
+            attr(b, NFTA_DATA_VALUE, &[10, 0, 0, 1])
+        });
+        assert_eq!(b.len() % 4, 0);
+        let a = attrs(&b);
+        assert_eq!(string(get(&a, NFTA_SET_NAME).unwrap()), "abc");
+        assert_eq!(be_u32(get(&a, NFTA_SET_KEY_LEN).unwrap()), 4);
+        let key = attrs(get(&a, NFTA_SET_ELEM_KEY).unwrap());
+        assert_eq!(get(&key, NFTA_DATA_VALUE).unwrap(), [10, 0, 0, 1]);
+    }
+
+    #[test]
+    fn a_message_has_its_header_and_nfgenmsg() {
+        let m = message(0x0a00, NLM_F_REQUEST, 7, 2, 0, &[1, 2, 3, 4]);
+        assert_eq!(m.len(), 24);
+        let msgs = messages(&m);
+        assert_eq!(msgs.len(), 1);
+        let (ty, seq, payload) = msgs[0];
+        assert_eq!((ty, seq), (0x0a00, 7));
+        assert_eq!(payload, [2, 0, 0, 0, 1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,309 @@
+//! nf_tables over our own netlink messages against the kernel, in a
+//! network namespace this test creates (and removes, also on failure):
+//! tables, address sets and elements in one commit each, read back both by
+//! our dumps and by `nft`; a refused commit applies nothing; a foreign
+//! table stays as it was. Needs root.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use dphandler_dataplane::backends::nftables::netlink::{Family, KeyType, NftError, NftNetlink, Op};
+
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Result<Self> {
+        let name = format!("dph-{tag}-{}", std::process::id());
+        let st = Command::new("ip").args(["netns", "add", &name]).status()?;
+        if !st.success() {
+            bail!("ip netns add {name}");
+        }
+        Ok(Self(name))
+    }
+
+    fn nft(&self, args: &[&str]) -> Result<String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.0, "nft"])
+            .args(args)
+            .output()?;
+        if !out.status.success() {
+            bail!("nft {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
+    /// Runs `f` on a thread inside the namespace (the socket is opened
+    /// there and stays in it).
+    fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let file = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("netns");
+        std::thread::spawn(move || {
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .expect("thread")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn root() -> bool {
+    if nix::unistd::Uid::effective().is_root() {
+        return true;
+    }
+    assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
+    eprintln!("skipped: needs root");
+    false
+}
+
+fn ips(v: &[&str]) -> Vec<IpAddr> {
+    v.iter().map(|s| s.parse().unwrap()).collect()
+}
+
+#[test]
+fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftnl")?;
+    // Another agent's table, which must stay as it is.
+    ns.nft(&["add", "table", "ip", "kube-proxy"])?;
+    ns.nft(&[
+        "add",
+        "set",
+        "ip",
+        "kube-proxy",
+        "ours",
+        "{ type ipv4_addr; }",
+    ])?;
+    ns.nft(&[
+        "add",
+        "element",
+        "ip",
+        "kube-proxy",
+        "ours",
+        "{ 192.0.2.1 }",
+    ])?;
+    let foreign = ns.nft(&["list", "table", "ip", "kube-proxy"])?;
+
+    let result = ns.within(|| -> Result<()> {
+        let mut nl = NftNetlink::open()?;
+        let t = |s: &str| s.to_string();
+        // One commit: the tables, a set each, members.
+        nl.commit(&[
+            Op::AddTable {
+                family: Family::Ip,
+                table: t("dph-s0"),
+            },
+            Op::AddSet {
+                family: Family::Ip,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                key: KeyType::Ipv4Addr,
+            },
+            Op::AddElements {
+                family: Family::Ip,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                elements: ips(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            },
+            Op::AddTable {
+                family: Family::Ip6,
+                table: t("dph-s0"),
+            },
+            Op::AddSet {
+                family: Family::Ip6,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                key: KeyType::Ipv6Addr,
+            },
+            Op::AddElements {
+                family: Family::Ip6,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                elements: ips(&["fd00::1"]),
+            },
+        ])?;
+        let got: BTreeSet<IpAddr> = nl
+            .elements(Family::Ip, "dph-s0", "s:web")?
+            .into_iter()
+            .collect();
+        assert_eq!(
+            got,
+            ips(&["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+                .into_iter()
+                .collect()
+        );
+        assert_eq!(
+            nl.elements(Family::Ip6, "dph-s0", "s:web")?,
+            ips(&["fd00::1"])
+        );
+        let sets = nl.sets(Family::Ip, "dph-s0")?;
+        assert_eq!(sets.len(), 1);
+        assert_eq!(
+            (sets[0].name.as_str(), sets[0].key_type, sets[0].key_len),
+            ("s:web", 7, 4)
+        );
+        let tables = nl.tables(Family::Ip)?;
+        assert!(
+            tables.contains(&t("dph-s0")) && tables.contains(&t("kube-proxy")),
+            "{tables:?}"
+        );
+
+        // A delta: adding what is there and removing what is not are no
+        // errors (a restart's first commit may repeat the last one).
+        nl.commit(&[
+            Op::AddElements {
+                family: Family::Ip,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                elements: ips(&["10.0.0.3", "10.0.0.4"]),
+            },
+            Op::DestroyElements {
+                family: Family::Ip,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                elements: ips(&["10.0.0.1", "10.9.9.9"]),
+            },
+            // Set again: kept with its elements.
+            Op::AddSet {
+                family: Family::Ip,
+                table: t("dph-s0"),
+                set: t("s:web"),
+                key: KeyType::Ipv4Addr,
+            },
+        ])?;
+        let got: BTreeSet<IpAddr> = nl
+            .elements(Family::Ip, "dph-s0", "s:web")?
+            .into_iter()
+            .collect();
+        assert_eq!(
+            got,
+            ips(&["10.0.0.2", "10.0.0.3", "10.0.0.4"])
+                .into_iter()
+                .collect()
+        );
+
+        // A commit the kernel refuses applies nothing: the element added
+        // before the bad change is not there.
+        let err = nl
+            .commit(&[
+                Op::AddElements {
+                    family: Family::Ip,
+                    table: t("dph-s0"),
+                    set: t("s:web"),
+                    elements: ips(&["10.0.0.5"]),
+                },
+                Op::AddElements {
+                    family: Family::Ip,
+                    table: t("dph-s0"),
+                    set: t("no-such-set"),
+                    elements: ips(&["10.0.0.6"]),
+                },
+            ])
+            .unwrap_err();
+        match &err {
+            NftError::Refused { op, .. } => assert!(op.contains("no-such-set"), "{err}"),
+            e => panic!("{e}"),
+        }
+        assert!(
+            !nl.elements(Family::Ip, "dph-s0", "s:web")?
+                .contains(&"10.0.0.5".parse()?)
+        );
+        Ok(())
+    });
+    result?;
+
+    // The kernel's own tool sees the same.
+    let listed = ns.nft(&["list", "table", "ip", "dph-s0"])?;
+    assert!(listed.contains("type ipv4_addr"), "{listed}");
+    for a in ["10.0.0.2", "10.0.0.3", "10.0.0.4"] {
+        assert!(listed.contains(a), "{a} in {listed}");
+    }
+    assert!(
+        !listed.contains("10.0.0.1,") && !listed.contains("10.0.0.5"),
+        "{listed}"
+    );
+    assert_eq!(
+        ns.nft(&["list", "table", "ip", "kube-proxy"])?,
+        foreign,
+        "the foreign table"
+    );
+
+    // Removing our tables leaves the foreign one.
+    ns.within(|| -> Result<()> {
+        let mut nl = NftNetlink::open()?;
+        nl.commit(&[
+            Op::DestroyTable {
+                family: Family::Ip,
+                table: "dph-s0".into(),
+            },
+            Op::DestroyTable {
+                family: Family::Ip6,
+                table: "dph-s0".into(),
+            },
+            Op::DestroyTable {
+                family: Family::Ip,
+                table: "dph-gone".into(),
+            },
+        ])
+        .context("destroying is idempotent")?;
+        assert!(!nl.tables(Family::Ip)?.contains(&"dph-s0".to_string()));
+        Ok(())
+    })?;
+    assert_eq!(ns.nft(&["list", "table", "ip", "kube-proxy"])?, foreign);
+    Ok(())
+}
+
+#[test]
+fn a_large_delta_is_one_commit() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftbig")?;
+    ns.within(|| -> Result<()> {
+        let mut nl = NftNetlink::open()?;
+        let members: Vec<IpAddr> = (0..20_000u32)
+            .map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i)))
+            .collect();
+        let t0 = std::time::Instant::now();
+        nl.commit(&[
+            Op::AddTable {
+                family: Family::Ip,
+                table: "dph-big".into(),
+            },
+            Op::AddSet {
+                family: Family::Ip,
+                table: "dph-big".into(),
+                set: "s:big".into(),
+                key: KeyType::Ipv4Addr,
+            },
+            Op::AddElements {
+                family: Family::Ip,
+                table: "dph-big".into(),
+                set: "s:big".into(),
+                elements: members.clone(),
+            },
+        ])?;
+        eprintln!("20,000 elements in one commit: {:?}", t0.elapsed());
+        assert_eq!(
+            nl.elements(Family::Ip, "dph-big", "s:big")?.len(),
+            members.len()
+        );
+        let t0 = std::time::Instant::now();
+        nl.commit(&[Op::AddElements {
+            family: Family::Ip,
+            table: "dph-big".into(),
+            set: "s:big".into(),
+            elements: ips(&["192.0.2.77"]),
+        }])?;
+        eprintln!("one element added to 20,000: {:?}", t0.elapsed());
+        Ok(())
+    })
+}
