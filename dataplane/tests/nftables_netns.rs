@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use dphandler_dataplane::backends::nftables::intervals;
 use dphandler_dataplane::backends::nftables::netlink::{Family, KeyType, NftError, NftNetlink, Op};
 
 struct Netns(String);
@@ -106,6 +107,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
                 table: t("dph-s0"),
                 set: t("s:web"),
                 key: KeyType::Ipv4Addr,
+                interval: false,
             },
             Op::AddElements {
                 family: Family::Ip,
@@ -122,6 +124,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
                 table: t("dph-s0"),
                 set: t("s:web"),
                 key: KeyType::Ipv6Addr,
+                interval: false,
             },
             Op::AddElements {
                 family: Family::Ip6,
@@ -177,6 +180,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
                 table: t("dph-s0"),
                 set: t("s:web"),
                 key: KeyType::Ipv4Addr,
+                interval: false,
             },
         ])?;
         let got: BTreeSet<IpAddr> = nl
@@ -283,6 +287,7 @@ fn a_large_delta_is_one_commit() -> Result<()> {
                 table: "dph-big".into(),
                 set: "s:big".into(),
                 key: KeyType::Ipv4Addr,
+                interval: false,
             },
             Op::AddElements {
                 family: Family::Ip,
@@ -306,4 +311,72 @@ fn a_large_delta_is_one_commit() -> Result<()> {
         eprintln!("one element added to 20,000: {:?}", t0.elapsed());
         Ok(())
     })
+}
+
+#[test]
+fn nets_are_merged_ranges_and_change_by_difference() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftiv")?;
+    let nets =
+        |v: &[&str]| -> BTreeSet<ipnet::IpNet> { v.iter().map(|s| s.parse().unwrap()).collect() };
+    let first = intervals::ranges(&nets(&[
+        "10.0.0.0/24",
+        "10.0.1.0/24",
+        "10.1.0.0/16",
+        "10.1.2.0/24",
+        "255.255.255.0/24",
+    ]));
+    let second = intervals::ranges(&nets(&["10.0.0.0/24", "10.1.0.0/16", "192.0.2.0/25"]));
+    let (f2, s2) = (first, second);
+    ns.within(move || -> Result<()> {
+        let mut nl = NftNetlink::open()?;
+        let (table, set) = ("dph-iv".to_string(), "n-pools".to_string());
+        nl.commit(&[
+            Op::AddTable {
+                family: Family::Ip,
+                table: table.clone(),
+            },
+            Op::AddSet {
+                family: Family::Ip,
+                table: table.clone(),
+                set: set.clone(),
+                key: KeyType::Ipv4Addr,
+                interval: true,
+            },
+            Op::AddRanges {
+                family: Family::Ip,
+                table: table.clone(),
+                set: set.clone(),
+                ranges: f2.clone(),
+            },
+        ])?;
+        assert_eq!(nl.ranges(Family::Ip, &table, &set)?, f2);
+        // The change, written as what went and what came, in one commit.
+        let (gone, came) = intervals::diff(&f2, &s2);
+        nl.commit(&[
+            Op::DestroyRanges {
+                family: Family::Ip,
+                table: table.clone(),
+                set: set.clone(),
+                ranges: gone,
+            },
+            Op::AddRanges {
+                family: Family::Ip,
+                table: table.clone(),
+                set: set.clone(),
+                ranges: came,
+            },
+        ])?;
+        assert_eq!(nl.ranges(Family::Ip, &table, &set)?, s2);
+        Ok(())
+    })?;
+    let listed = ns.nft(&["list", "table", "ip", "dph-iv"])?;
+    assert!(listed.contains("flags interval"), "{listed}");
+    for want in ["10.0.0.0/24", "10.1.0.0/16", "192.0.2.0/25"] {
+        assert!(listed.contains(want), "{want} in {listed}");
+    }
+    assert!(!listed.contains("255.255.255.0"), "{listed}");
+    Ok(())
 }

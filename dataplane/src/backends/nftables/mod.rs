@@ -1,7 +1,9 @@
 //! The native nftables dataplane (`--dataplane nftables`, issue 19): work
 //! in progress. Built so far: [`netlink`], our own nf_tables messages
-//! over `netlink-sys` (tables, address sets and their elements, one batch
-//! per commit, dumps to read back), tested against the kernel
+//! over `netlink-sys` (tables, address sets and network sets with their
+//! elements, one batch per commit, dumps to read back), and
+//! [`intervals`], the calc graph's CIDRs as the disjoint ranges an
+//! interval set holds, changed by difference; tested against the kernel
 //! (`tests/nftables_netns.rs`). Nothing selects this backend yet.
 //!
 //! # Owns
@@ -43,10 +45,12 @@
 //! - Each chain is reached from one hook only (a graph reached from two
 //!   hooks is walked twice): forward and input get separate shards.
 //!
-//! Next steps, in order: interval sets for nets and the concatenated
-//! `ip,port` sets (Calico's named-port sets); chains and rules (the
+//! Next steps, in order: the concatenated `ip,port` sets (Calico's
+//! named-port sets); set names `nft` can print (it cannot parse a name
+//! with `:`, as Calico's IP-set ids have); chains and rules (the
 //! iptables renderer's rules as nft expressions); the shard tables and the
 //! dispatch maps; the backend behind the managers (`--dataplane
 //! nftables`); the policy suite and the benchmark on both backends.
 
+pub mod intervals;
 pub mod netlink;

@@ -5,16 +5,19 @@
 //! which this Apache-2.0 project cannot ship linked in; `nft` is a process
 //! (30–50 ms) per change and fetches whole interval sets.
 //!
-//! What is here so far: tables, sets of IPv4 or IPv6 addresses (hash), and
-//! their elements — added, removed (idempotently: `DESTROY`), and read
-//! back. Chains, rules and maps come with the policy layout (see the
-//! module above).
+//! What is here so far: tables; sets of IPv4 or IPv6 addresses (hash) and
+//! of networks (interval sets, as merged ranges: [`super::intervals`]);
+//! their elements added, removed (idempotently: `DESTROY`) and read back.
+//! Chains, rules and maps come with the policy layout (see the module
+//! above).
 
 use std::io;
 use std::net::IpAddr;
 use std::time::Duration;
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+
+use super::intervals::Range;
 
 // Netlink.
 const NLMSG_ERROR: u16 = 2;
@@ -51,6 +54,9 @@ const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_SET_ELEM_KEY: u16 = 1;
+const NFTA_SET_ELEM_FLAGS: u16 = 3;
+const NFT_SET_ELEM_INTERVAL_END: u32 = 0x1;
+const NFT_SET_INTERVAL: u32 = 0x4;
 const NFTA_DATA_VALUE: u16 = 1;
 /// How long a reply may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -99,12 +105,15 @@ pub enum Op {
     AddTable { family: Family, table: String },
     /// Removed with everything in it, if there.
     DestroyTable { family: Family, table: String },
-    /// Made if missing; an existing set of the same kind is kept.
+    /// Made if missing; an existing set of the same kind is kept. An
+    /// interval set holds ranges ([`Op::AddRanges`]), the other kind
+    /// addresses.
     AddSet {
         family: Family,
         table: String,
         set: String,
         key: KeyType,
+        interval: bool,
     },
     DestroySet {
         family: Family,
@@ -124,6 +133,21 @@ pub enum Op {
         table: String,
         set: String,
         elements: Vec<IpAddr>,
+    },
+    /// Ranges added to an interval set (disjoint from those there:
+    /// [`super::intervals::diff`]).
+    AddRanges {
+        family: Family,
+        table: String,
+        set: String,
+        ranges: Vec<Range>,
+    },
+    /// Ranges removed from an interval set.
+    DestroyRanges {
+        family: Family,
+        table: String,
+        set: String,
+        ranges: Vec<Range>,
     },
 }
 
@@ -202,18 +226,30 @@ fn addr_bytes(a: &IpAddr) -> Vec<u8> {
     }
 }
 
-fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[IpAddr]) {
+/// Set elements: (key, is an interval end).
+fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[(IpAddr, bool)]) {
     attr_str(buf, NFTA_SET_ELEM_LIST_TABLE, table);
     attr_str(buf, NFTA_SET_ELEM_LIST_SET, set);
     nested(buf, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
-        for e in elements {
+        for (e, end) in elements {
             nested(b, NFTA_LIST_ELEM, |b| {
                 nested(b, NFTA_SET_ELEM_KEY, |b| {
                     attr(b, NFTA_DATA_VALUE, &addr_bytes(e));
-                })
+                });
+                if *end {
+                    attr_u32(b, NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
+                }
             });
         }
     });
+}
+
+/// A range as elements: its start, and its end flagged as one.
+fn range_elements(ranges: &[Range]) -> Vec<(IpAddr, bool)> {
+    ranges
+        .iter()
+        .flat_map(|r| std::iter::once((r.start, false)).chain(r.end.map(|e| (e, true))))
+        .collect()
 }
 
 /// Attributes of one message, as (type without flags, payload).
@@ -315,11 +351,13 @@ impl NftNetlink {
                         table,
                         set,
                         key,
+                        interval,
                     } => {
                         let (ty, len) = key.code();
                         attr_str(&mut a, NFTA_SET_TABLE, table);
                         attr_str(&mut a, NFTA_SET_NAME, set);
-                        attr_u32(&mut a, NFTA_SET_FLAGS, 0);
+                        let flags = if *interval { NFT_SET_INTERVAL } else { 0 };
+                        attr_u32(&mut a, NFTA_SET_FLAGS, flags);
                         attr_u32(&mut a, NFTA_SET_KEY_TYPE, ty);
                         attr_u32(&mut a, NFTA_SET_KEY_LEN, len);
                         attr_u32(&mut a, NFTA_SET_ID, seq);
@@ -336,8 +374,27 @@ impl NftNetlink {
                         set,
                         elements,
                     } => {
-                        elements_attr(&mut a, table, set, elements);
+                        let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+                        elements_attr(&mut a, table, set, &e);
                         (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                    }
+                    Op::AddRanges {
+                        family,
+                        table,
+                        set,
+                        ranges,
+                    } => {
+                        elements_attr(&mut a, table, set, &range_elements(ranges));
+                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                    }
+                    Op::DestroyRanges {
+                        family,
+                        table,
+                        set,
+                        ranges,
+                    } => {
+                        elements_attr(&mut a, table, set, &range_elements(ranges));
+                        (NFT_MSG_DESTROYSETELEM, 0, *family)
                     }
                     Op::DestroyElements {
                         family,
@@ -345,7 +402,8 @@ impl NftNetlink {
                         set,
                         elements,
                     } => {
-                        elements_attr(&mut a, table, set, elements);
+                        let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+                        elements_attr(&mut a, table, set, &e);
                         (NFT_MSG_DESTROYSETELEM, 0, *family)
                     }
                 };
@@ -480,6 +538,32 @@ impl NftNetlink {
         table: &str,
         set: &str,
     ) -> Result<Vec<IpAddr>, NftError> {
+        Ok(self
+            .raw_elements(family, table, set)?
+            .into_iter()
+            .map(|(a, _)| a)
+            .collect())
+    }
+
+    /// The ranges in interval set `set` of `table`.
+    pub fn ranges(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<Range>, NftError> {
+        Ok(super::intervals::from_elements(
+            self.raw_elements(family, table, set)?,
+        ))
+    }
+
+    /// Each element's key, and whether it ends an interval.
+    fn raw_elements(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<(IpAddr, bool)>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
         attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
@@ -493,15 +577,21 @@ impl NftNetlink {
                 if t != NFTA_LIST_ELEM {
                     continue;
                 }
-                let Some(key) = get(&attrs(elem), NFTA_SET_ELEM_KEY) else {
+                let ea = attrs(elem);
+                let Some(key) = get(&ea, NFTA_SET_ELEM_KEY) else {
                     continue;
                 };
+                let end = get(&ea, NFTA_SET_ELEM_FLAGS)
+                    .is_some_and(|f| be_u32(f) & NFT_SET_ELEM_INTERVAL_END != 0);
                 let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
                     continue;
                 };
                 match v.len() {
-                    4 => out.push(IpAddr::from(<[u8; 4]>::try_from(v).expect("4 bytes"))),
-                    16 => out.push(IpAddr::from(<[u8; 16]>::try_from(v).expect("16 bytes"))),
+                    4 => out.push((IpAddr::from(<[u8; 4]>::try_from(v).expect("4 bytes")), end)),
+                    16 => out.push((
+                        IpAddr::from(<[u8; 16]>::try_from(v).expect("16 bytes")),
+                        end,
+                    )),
                     n => {
                         return Err(NftError::Protocol(format!(
                             "set {table}/{set}: a key of {n} bytes is not an address"
@@ -521,24 +611,42 @@ const ELEMENTS_PER_MESSAGE: usize = 1024;
 /// `op` as messages: element lists in slices.
 fn chunks(op: &Op) -> Vec<std::borrow::Cow<'_, Op>> {
     use std::borrow::Cow;
-    let (Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. }) = op else {
-        return vec![Cow::Borrowed(op)];
-    };
-    if elements.len() <= ELEMENTS_PER_MESSAGE {
-        return vec![Cow::Borrowed(op)];
+    match op {
+        Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. }
+            if elements.len() > ELEMENTS_PER_MESSAGE =>
+        {
+            elements
+                .chunks(ELEMENTS_PER_MESSAGE)
+                .map(|c| {
+                    let mut part = op.clone();
+                    if let Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. } =
+                        &mut part
+                    {
+                        *elements = c.to_vec();
+                    }
+                    Cow::Owned(part)
+                })
+                .collect()
+        }
+        // Two elements a range.
+        Op::AddRanges { ranges, .. } | Op::DestroyRanges { ranges, .. }
+            if ranges.len() > ELEMENTS_PER_MESSAGE / 2 =>
+        {
+            ranges
+                .chunks(ELEMENTS_PER_MESSAGE / 2)
+                .map(|c| {
+                    let mut part = op.clone();
+                    if let Op::AddRanges { ranges, .. } | Op::DestroyRanges { ranges, .. } =
+                        &mut part
+                    {
+                        *ranges = c.to_vec();
+                    }
+                    Cow::Owned(part)
+                })
+                .collect()
+        }
+        _ => vec![Cow::Borrowed(op)],
     }
-    elements
-        .chunks(ELEMENTS_PER_MESSAGE)
-        .map(|c| {
-            let mut part = op.clone();
-            if let Op::AddElements { elements, .. } | Op::DestroyElements { elements, .. } =
-                &mut part
-            {
-                *elements = c.to_vec();
-            }
-            Cow::Owned(part)
-        })
-        .collect()
 }
 
 /// (type, seq, payload) of each message in a datagram.
@@ -575,6 +683,12 @@ fn describe(op: &Op) -> String {
             elements,
             ..
         } => format!("removing {} elements from {table}/{set}", elements.len()),
+        Op::AddRanges {
+            table, set, ranges, ..
+        } => format!("adding {} ranges to {table}/{set}", ranges.len()),
+        Op::DestroyRanges {
+            table, set, ranges, ..
+        } => format!("removing {} ranges from {table}/{set}", ranges.len()),
     }
 }
 
