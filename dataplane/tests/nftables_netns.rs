@@ -380,3 +380,208 @@ fn nets_are_merged_ranges_and_change_by_difference() -> Result<()> {
     assert!(!listed.contains("255.255.255.0"), "{listed}");
     Ok(())
 }
+
+/// Runs `ip -n <ns> <args>`.
+fn ip(ns: &Netns, args: &[&str]) -> Result<()> {
+    let st = Command::new("ip")
+        .arg("-n")
+        .arg(&ns.0)
+        .args(args)
+        .status()?;
+    if !st.success() {
+        bail!("ip -n {} {args:?}", ns.0);
+    }
+    Ok(())
+}
+
+#[test]
+fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
+    use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
+    use dphandler_dataplane::backends::nftables::netlink::{BaseChain, Hook};
+    if !root() {
+        return Ok(());
+    }
+    // A host and a client joined by a veth; the server on the host.
+    let host = Netns::new("nftpk-h")?;
+    let client = Netns::new("nftpk-c")?;
+    ip(
+        &host,
+        &[
+            "link", "add", "fw0", "type", "veth", "peer", "name", "eth0", "netns", &client.0,
+        ],
+    )?;
+    ip(&host, &["addr", "add", "10.77.0.1/24", "dev", "fw0"])?;
+    ip(&host, &["link", "set", "fw0", "up"])?;
+    ip(&client, &["addr", "add", "10.77.0.2/24", "dev", "eth0"])?;
+    ip(&client, &["link", "set", "eth0", "up"])?;
+    let listener = host.within(|| std::net::TcpListener::bind("10.77.0.1:8080"))?;
+    std::thread::spawn(move || {
+        for c in listener.incoming().flatten() {
+            drop(c)
+        }
+    });
+    let connects = || {
+        client.within(|| {
+            let to: std::net::SocketAddr = "10.77.0.1:8080".parse().unwrap();
+            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500)).is_ok()
+        })
+    };
+    assert!(connects(), "no rules yet");
+
+    let t = |s: &str| s.to_string();
+    let table = t("dph-pk");
+    let rules = vec![
+        Op::AddTable {
+            family: Family::Ip,
+            table: table.clone(),
+        },
+        Op::AddSet {
+            family: Family::Ip,
+            table: table.clone(),
+            set: t("blocked"),
+            key: KeyType::Ipv4Addr,
+            interval: false,
+        },
+        Op::AddChain {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("mark-it"),
+            base: None,
+        },
+        Op::AddChain {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            base: Some(BaseChain {
+                hook: Hook::Input,
+                priority: 0,
+                accept_by_default: true,
+            }),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("mark-it"),
+            exprs: vec![
+                Expr::SetMark {
+                    mask: 0x1_0000,
+                    value: 0x1_0000,
+                },
+                Expr::Verdict(Verdict::Return),
+            ],
+            comment: t("mark what came in on fw0"),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            exprs: [
+                &expr::iface(Meta::IifName, "fw+")[..],
+                &[Expr::Verdict(Verdict::Jump(t("mark-it")))],
+            ]
+            .concat(),
+            comment: t("to the marking chain"),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            exprs: vec![
+                Expr::MarkIs {
+                    mask: 0x1_0000,
+                    value: 0x1_0000,
+                },
+                Expr::Counter,
+            ],
+            comment: t("marked"),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            exprs: vec![
+                expr::addr(false, true),
+                Expr::Lookup {
+                    set: t("blocked"),
+                    invert: false,
+                },
+                Expr::Counter,
+                Expr::Verdict(Verdict::Drop),
+            ],
+            comment: t("blocked sources"),
+        },
+    ];
+    host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&rules)?) })?;
+    assert!(connects(), "nobody blocked yet");
+    let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
+    for want in [
+        "hook input priority filter; policy accept;",
+        "iifname \"fw*\" jump mark-it comment \"to the marking chain\"",
+        "ip saddr @blocked counter packets 0 bytes 0 drop comment \"blocked sources\"",
+        "meta mark set meta mark | 0x00010000 return",
+    ] {
+        assert!(listed.contains(want), "{want:?} in {listed}");
+    }
+    // A member added (data only): its packets are dropped; removed: back.
+    let member = |add: bool| {
+        host.within(move || -> Result<()> {
+            let (family, table, set, elements) = (
+                Family::Ip,
+                "dph-pk".to_string(),
+                "blocked".to_string(),
+                ips(&["10.77.0.2"]),
+            );
+            let op = if add {
+                Op::AddElements {
+                    family,
+                    table,
+                    set,
+                    elements,
+                }
+            } else {
+                Op::DestroyElements {
+                    family,
+                    table,
+                    set,
+                    elements,
+                }
+            };
+            Ok(NftNetlink::open()?.commit(&[op])?)
+        })
+    };
+    member(true)?;
+    assert!(!connects(), "blocked");
+    member(false)?;
+    assert!(connects(), "unblocked");
+    // Both counters counted: the marking chain ran (jump, set, return), and
+    // the drop rule saw the blocked client's packets.
+    let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
+    let packets = |comment: &str| -> u64 {
+        let line = listed
+            .lines()
+            .find(|l| l.contains(&format!("comment \"{comment}\"")))
+            .unwrap_or_else(|| panic!("no rule {comment:?} in {listed}"));
+        line.split("packets ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no counter in {line}"))
+    };
+    assert!(packets("marked") > 0, "{listed}");
+    assert!(packets("blocked sources") > 0, "{listed}");
+    assert!(
+        listed.contains("meta mark & 0x00010000 == 0x00010000 counter"),
+        "{listed}"
+    );
+    // Flushed: no rules, the chains stay.
+    host.within(|| -> Result<()> {
+        Ok(NftNetlink::open()?.commit(&[Op::FlushChain {
+            family: Family::Ip,
+            table: "dph-pk".into(),
+            chain: "input".into(),
+        }])?)
+    })?;
+    let listed = host.nft(&["list", "chain", "ip", "dph-pk", "input"])?;
+    assert!(!listed.contains("drop"), "{listed}");
+    Ok(())
+}

@@ -52,5 +52,6 @@
 //! dispatch maps; the backend behind the managers (`--dataplane
 //! nftables`); the policy suite and the benchmark on both backends.
 
+pub mod expr;
 pub mod intervals;
 pub mod netlink;

@@ -26,7 +26,8 @@ const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
 const NLM_F_CREATE: u16 = 0x400;
-const NLA_F_NESTED: u16 = 0x8000;
+pub(super) const NLA_F_NESTED: u16 = 0x8000;
+const NLM_F_APPEND: u16 = 0x800;
 // nfnetlink.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 16;
@@ -34,6 +35,10 @@ const NFNL_MSG_BATCH_END: u16 = 17;
 // enum nf_tables_msg_types.
 const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_GETTABLE: u16 = 1;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_DELRULE: u16 = 8;
+const NFT_MSG_DESTROYCHAIN: u16 = 27;
 const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_GETSET: u16 = 10;
 const NFT_MSG_NEWSETELEM: u16 = 12;
@@ -43,6 +48,17 @@ const NFT_MSG_DESTROYSET: u16 = 29;
 const NFT_MSG_DESTROYSETELEM: u16 = 30;
 // Attributes.
 const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_RULE_USERDATA: u16 = 7;
 const NFTA_SET_TABLE: u16 = 1;
 const NFTA_SET_NAME: u16 = 2;
 const NFTA_SET_FLAGS: u16 = 3;
@@ -98,6 +114,25 @@ impl KeyType {
     }
 }
 
+/// A netfilter hook of the ip/ip6/inet families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Prerouting = 0,
+    Input = 1,
+    Forward = 2,
+    Output = 3,
+    Postrouting = 4,
+}
+
+/// A base chain's hook, priority (`filter` is 0; lower runs first) and
+/// what it does with a packet no rule decided on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BaseChain {
+    pub hook: Hook,
+    pub priority: i32,
+    pub accept_by_default: bool,
+}
+
 /// One change in a commit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
@@ -149,6 +184,33 @@ pub enum Op {
         set: String,
         ranges: Vec<Range>,
     },
+    /// A chain, made if missing; a base chain when `base` is given.
+    AddChain {
+        family: Family,
+        table: String,
+        chain: String,
+        base: Option<BaseChain>,
+    },
+    /// Removed if there (it must hold no rules and be referenced by none).
+    DestroyChain {
+        family: Family,
+        table: String,
+        chain: String,
+    },
+    /// Every rule of the chain removed.
+    FlushChain {
+        family: Family,
+        table: String,
+        chain: String,
+    },
+    /// A rule appended to the chain, with a comment (`nft` shows it).
+    AddRule {
+        family: Family,
+        table: String,
+        chain: String,
+        exprs: Vec<super::expr::Expr>,
+        comment: String,
+    },
 }
 
 /// A set as the kernel reports it.
@@ -178,7 +240,7 @@ pub enum NftError {
 }
 
 /// Appends attribute `ty` with `payload`, padded to 4 bytes.
-fn attr(buf: &mut Vec<u8>, ty: u16, payload: &[u8]) {
+pub(super) fn attr(buf: &mut Vec<u8>, ty: u16, payload: &[u8]) {
     let len = 4 + payload.len();
     buf.extend_from_slice(&(len as u16).to_ne_bytes());
     buf.extend_from_slice(&ty.to_ne_bytes());
@@ -186,14 +248,14 @@ fn attr(buf: &mut Vec<u8>, ty: u16, payload: &[u8]) {
     buf.resize(buf.len().next_multiple_of(4), 0);
 }
 
-fn attr_str(buf: &mut Vec<u8>, ty: u16, s: &str) {
+pub(super) fn attr_str(buf: &mut Vec<u8>, ty: u16, s: &str) {
     let mut p = s.as_bytes().to_vec();
     p.push(0);
     attr(buf, ty, &p);
 }
 
 /// nf_tables numbers are big-endian.
-fn attr_u32(buf: &mut Vec<u8>, ty: u16, v: u32) {
+pub(super) fn attr_u32(buf: &mut Vec<u8>, ty: u16, v: u32) {
     attr(buf, ty, &v.to_be_bytes());
 }
 
@@ -395,6 +457,72 @@ impl NftNetlink {
                     } => {
                         elements_attr(&mut a, table, set, &range_elements(ranges));
                         (NFT_MSG_DESTROYSETELEM, 0, *family)
+                    }
+                    Op::AddChain {
+                        family,
+                        table,
+                        chain,
+                        base,
+                    } => {
+                        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
+                        attr_str(&mut a, NFTA_CHAIN_NAME, chain);
+                        if let Some(b) = base {
+                            nested(&mut a, NFTA_CHAIN_HOOK, |h| {
+                                attr_u32(h, NFTA_HOOK_HOOKNUM, b.hook as u32);
+                                attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
+                            });
+                            attr_u32(&mut a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
+                            attr_str(&mut a, NFTA_CHAIN_TYPE, "filter");
+                        }
+                        (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
+                    }
+                    Op::DestroyChain {
+                        family,
+                        table,
+                        chain,
+                    } => {
+                        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
+                        attr_str(&mut a, NFTA_CHAIN_NAME, chain);
+                        (NFT_MSG_DESTROYCHAIN, 0, *family)
+                    }
+                    Op::FlushChain {
+                        family,
+                        table,
+                        chain,
+                    } => {
+                        attr_str(&mut a, NFTA_RULE_TABLE, table);
+                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
+                        (NFT_MSG_DELRULE, 0, *family)
+                    }
+                    Op::AddRule {
+                        family,
+                        table,
+                        chain,
+                        exprs,
+                        comment,
+                    } => {
+                        attr_str(&mut a, NFTA_RULE_TABLE, table);
+                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
+                        attr(
+                            &mut a,
+                            NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
+                            &super::expr::encode(exprs),
+                        );
+                        if !comment.is_empty() {
+                            // nft's user data: a TLV, type 0 (comment),
+                            // NUL-terminated.
+                            // At most 127 bytes, as nft allows.
+                            let mut end = comment.len().min(127);
+                            while !comment.is_char_boundary(end) {
+                                end -= 1;
+                            }
+                            let mut c = comment.as_bytes()[..end].to_vec();
+                            c.push(0);
+                            let mut udata = vec![0u8, c.len() as u8];
+                            udata.extend(c);
+                            attr(&mut a, NFTA_RULE_USERDATA, &udata);
+                        }
+                        (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, *family)
                     }
                     Op::DestroyElements {
                         family,
@@ -689,6 +817,15 @@ fn describe(op: &Op) -> String {
         Op::DestroyRanges {
             table, set, ranges, ..
         } => format!("removing {} ranges from {table}/{set}", ranges.len()),
+        Op::AddChain { table, chain, .. } => format!("adding chain {table}/{chain}"),
+        Op::DestroyChain { table, chain, .. } => format!("removing chain {table}/{chain}"),
+        Op::FlushChain { table, chain, .. } => format!("flushing chain {table}/{chain}"),
+        Op::AddRule {
+            table,
+            chain,
+            comment,
+            ..
+        } => format!("adding rule {comment:?} to {table}/{chain}"),
     }
 }
 
