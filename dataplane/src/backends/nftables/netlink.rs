@@ -394,6 +394,7 @@ impl NftNetlink {
         // Each message's change (a large element list is several messages:
         // an attribute holds at most 64 KiB).
         let mut of_seq: Vec<usize> = Vec::new();
+        let mut last = 0;
         for (i, op) in ops.iter().enumerate() {
             for chunk in chunks(op) {
                 let seq = first.wrapping_add(of_seq.len() as u32);
@@ -535,9 +536,10 @@ impl NftNetlink {
                         (NFT_MSG_DESTROYSETELEM, 0, *family)
                     }
                 };
+                last = batch.len();
                 batch.extend(message(
                     nft(ty),
-                    NLM_F_REQUEST | NLM_F_ACK | flags,
+                    NLM_F_REQUEST | flags,
                     seq,
                     family.number(),
                     0,
@@ -546,6 +548,11 @@ impl NftNetlink {
             }
         }
         self.seq = first.wrapping_add(of_seq.len() as u32);
+        // Only the last change asks for an ACK (errors come for any): an
+        // ACK a change would overflow the socket at thousands of them.
+        let flags = u16::from_ne_bytes([batch[last + 6], batch[last + 7]]) | NLM_F_ACK;
+        batch[last + 6..last + 8].copy_from_slice(&flags.to_ne_bytes());
+        let last_seq = first.wrapping_add(of_seq.len() as u32 - 1);
         batch.extend(message(
             NFNL_MSG_BATCH_END,
             NLM_F_REQUEST,
@@ -566,35 +573,45 @@ impl NftNetlink {
             .map_err(|e| NftError::Io(e.into()))?;
         }
         self.sock.send(&batch, 0).map_err(NftError::Io)?;
-        // One ACK per message; the first error names its change.
-        let mut acked = 0;
-        while acked < of_seq.len() {
-            let (buf, _) = self.sock.recv_from_full().map_err(NftError::Io)?;
+        // The first error names its change; the last change's reply ends
+        // the commit.
+        let mut refused = None;
+        loop {
+            let buf = match self.sock.recv_from_full() {
+                Ok((buf, _)) => buf,
+                // All the kernel had to say came before.
+                Err(_) if refused.is_some() => break,
+                Err(e) => return Err(NftError::Io(e)),
+            };
+            let mut done = false;
             for (ty, seq, payload) in messages(&buf) {
-                if ty != NLMSG_ERROR {
-                    continue;
+                let i = seq.wrapping_sub(first) as usize;
+                if ty != NLMSG_ERROR || i >= of_seq.len() {
+                    continue; // not a reply, or an earlier commit's late one
                 }
                 let code = payload
                     .get(..4)
                     .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                let i = seq.wrapping_sub(first) as usize;
-                if i >= of_seq.len() {
-                    continue; // an earlier commit's late reply
-                }
-                if code != 0 {
+                if code != 0 && refused.is_none() {
                     let op = of_seq
                         .get(i)
                         .and_then(|&i| ops.get(i))
                         .map_or_else(|| format!("seq {seq}"), describe);
-                    return Err(NftError::Refused {
+                    refused = Some(NftError::Refused {
                         op,
                         source: io::Error::from_raw_os_error(-code),
                     });
                 }
-                acked += 1;
+                done |= seq == last_seq;
+            }
+            if done {
+                break;
             }
         }
-        Ok(())
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// A dump: every data message's attributes.
