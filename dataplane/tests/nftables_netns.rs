@@ -10,7 +10,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use dphandler_dataplane::backends::nftables::intervals;
-use dphandler_dataplane::backends::nftables::netlink::{Family, KeyType, NftError, NftNetlink, Op};
+use dphandler_dataplane::backends::nftables::netlink::{
+    Family, Key, KeyType, NftError, NftNetlink, Op,
+};
 
 struct Netns(String);
 
@@ -63,8 +65,10 @@ fn root() -> bool {
     false
 }
 
-fn ips(v: &[&str]) -> Vec<IpAddr> {
-    v.iter().map(|s| s.parse().unwrap()).collect()
+fn ips(v: &[&str]) -> Vec<Key> {
+    v.iter()
+        .map(|s| Key::Addr(s.parse::<IpAddr>().unwrap()))
+        .collect()
 }
 
 #[test]
@@ -133,7 +137,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
                 elements: ips(&["fd00::1"]),
             },
         ])?;
-        let got: BTreeSet<IpAddr> = nl
+        let got: BTreeSet<Key> = nl
             .elements(Family::Ip, "dph-s0", "s:web")?
             .into_iter()
             .collect();
@@ -183,7 +187,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
                 interval: false,
             },
         ])?;
-        let got: BTreeSet<IpAddr> = nl
+        let got: BTreeSet<Key> = nl
             .elements(Family::Ip, "dph-s0", "s:web")?
             .into_iter()
             .collect();
@@ -218,7 +222,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
         }
         assert!(
             !nl.elements(Family::Ip, "dph-s0", "s:web")?
-                .contains(&"10.0.0.5".parse()?)
+                .contains(&Key::Addr("10.0.0.5".parse()?))
         );
         Ok(())
     });
@@ -273,8 +277,8 @@ fn a_large_delta_is_one_commit() -> Result<()> {
     let ns = Netns::new("nftbig")?;
     ns.within(|| -> Result<()> {
         let mut nl = NftNetlink::open()?;
-        let members: Vec<IpAddr> = (0..20_000u32)
-            .map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i)))
+        let members: Vec<Key> = (0..20_000u32)
+            .map(|i| Key::Addr(IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i))))
             .collect();
         let t0 = std::time::Instant::now();
         nl.commit(&[
@@ -442,6 +446,19 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
             key: KeyType::Ipv4Addr,
             interval: false,
         },
+        Op::AddSet {
+            family: Family::Ip,
+            table: table.clone(),
+            set: t("np"),
+            key: KeyType::Ipv4AddrProtoPort,
+            interval: false,
+        },
+        Op::AddElements {
+            family: Family::Ip,
+            table: table.clone(),
+            set: t("np"),
+            elements: vec![Key::AddrProtoPort("10.77.0.1".parse().unwrap(), 6, 8080)],
+        },
         Op::AddChain {
             family: Family::Ip,
             table: table.clone(),
@@ -481,6 +498,24 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
             ]
             .concat(),
             comment: t("to the marking chain"),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            exprs: vec![
+                Expr::LookupConcat {
+                    fields: vec![
+                        expr::addr(false, false),
+                        Expr::Meta(Meta::L4Proto),
+                        expr::dport(),
+                    ],
+                    set: t("np"),
+                    invert: false,
+                },
+                Expr::Counter,
+            ],
+            comment: t("named port"),
         },
         Op::AddRule {
             family: Family::Ip,
@@ -568,6 +603,19 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
             .unwrap_or_else(|| panic!("no counter in {line}"))
     };
     assert!(packets("marked") > 0, "{listed}");
+    assert!(packets("named port") > 0, "{listed}");
+    assert!(
+        listed.contains("ip daddr . meta l4proto . th dport @np counter"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("type ipv4_addr . inet_proto . inet_service"),
+        "{listed}"
+    );
+    let np = host.within(|| -> Result<Vec<Key>> {
+        Ok(NftNetlink::open()?.elements(Family::Ip, "dph-pk", "np")?)
+    })?;
+    assert_eq!(np, [Key::AddrProtoPort("10.77.0.1".parse()?, 6, 8080)]);
     assert!(packets("blocked sources") > 0, "{listed}");
     assert!(
         listed.contains("meta mark & 0x00010000 == 0x00010000 counter"),

@@ -199,7 +199,7 @@ fn main() -> Result<()> {
                     family: Family::Ip,
                     table: BIG.into(),
                     set: "s".into(),
-                    elements: vec![a(i)],
+                    elements: vec![a(i).into()],
                 }])?)
             }),
             Box::new(|| {

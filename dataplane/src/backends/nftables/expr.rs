@@ -15,6 +15,9 @@ const NFTA_VERDICT_CHAIN: u16 = 2;
 /// The verdict register, and the first data register (16 bytes).
 const NFT_REG_VERDICT: u32 = 0;
 const NFT_REG_1: u32 = 1;
+/// The first 32-bit register (`NFT_REG32_00`), the same bytes as
+/// `NFT_REG_1`.
+const NFT_REG32_00: u32 = 8;
 
 /// Metadata a rule can load (`enum nft_meta_keys`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +66,14 @@ pub enum Expr {
     /// Continues only if the register's value is in (or, `invert`, not in)
     /// the set.
     Lookup {
+        set: String,
+        invert: bool,
+    },
+    /// Loads each field (`Meta`/`Payload`) into consecutive 32-bit
+    /// registers and looks the concatenation up in a set (`ip saddr .
+    /// meta l4proto . th dport @set`).
+    LookupConcat {
+        fields: Vec<Expr>,
         set: String,
         invert: bool,
     },
@@ -123,9 +134,32 @@ fn cmp(buf: &mut Vec<u8>, eq: bool, data: &[u8]) {
 }
 
 fn meta_load(buf: &mut Vec<u8>, key: Meta) {
+    meta_into(buf, key, NFT_REG_1);
+}
+
+fn meta_into(buf: &mut Vec<u8>, key: Meta, dreg: u32) {
     expr(buf, "meta", |b| {
-        attr_u32(b, 1, NFT_REG_1); // DREG
+        attr_u32(b, 1, dreg); // DREG
         attr_u32(b, 2, key as u32); // KEY
+    });
+}
+
+fn payload_into(buf: &mut Vec<u8>, base: Base, offset: u32, len: u32, dreg: u32) {
+    expr(buf, "payload", |b| {
+        attr_u32(b, 1, dreg); // DREG
+        attr_u32(b, 2, base as u32); // BASE
+        attr_u32(b, 3, offset); // OFFSET
+        attr_u32(b, 4, len); // LEN
+    });
+}
+
+fn lookup(buf: &mut Vec<u8>, set: &str, sreg: u32, invert: bool) {
+    expr(buf, "lookup", |b| {
+        attr_str(b, 1, set); // SET
+        attr_u32(b, 2, sreg); // SREG
+        if invert {
+            attr_u32(b, 5, 1); // FLAGS: NFT_LOOKUP_F_INV
+        }
     });
 }
 
@@ -135,20 +169,33 @@ pub fn encode(exprs: &[Expr]) -> Vec<u8> {
     for e in exprs {
         match e {
             Expr::Meta(key) => meta_load(&mut buf, *key),
-            Expr::Payload { base, offset, len } => expr(&mut buf, "payload", |b| {
-                attr_u32(b, 1, NFT_REG_1); // DREG
-                attr_u32(b, 2, *base as u32); // BASE
-                attr_u32(b, 3, *offset); // OFFSET
-                attr_u32(b, 4, *len); // LEN
-            }),
+            Expr::Payload { base, offset, len } => {
+                payload_into(&mut buf, *base, *offset, *len, NFT_REG_1)
+            }
             Expr::Cmp { eq, data } => cmp(&mut buf, *eq, data),
-            Expr::Lookup { set, invert } => expr(&mut buf, "lookup", |b| {
-                attr_str(b, 1, set); // SET
-                attr_u32(b, 2, NFT_REG_1); // SREG
-                if *invert {
-                    attr_u32(b, 5, 1); // FLAGS: NFT_LOOKUP_F_INV
+            Expr::Lookup { set, invert } => lookup(&mut buf, set, NFT_REG_1, *invert),
+            Expr::LookupConcat {
+                fields,
+                set,
+                invert,
+            } => {
+                let mut reg = NFT_REG32_00;
+                for f in fields {
+                    match f {
+                        Expr::Meta(key) => {
+                            meta_into(&mut buf, *key, reg);
+                            reg += 1;
+                        }
+                        Expr::Payload { base, offset, len } => {
+                            payload_into(&mut buf, *base, *offset, *len, reg);
+                            reg += len.div_ceil(4);
+                        }
+                        // Only loads make a key.
+                        _ => {}
+                    }
                 }
-            }),
+                lookup(&mut buf, set, NFT_REG32_00, *invert);
+            }
             Expr::CtState { mask } => {
                 expr(&mut buf, "ct", |b| {
                     attr_u32(b, 1, NFT_REG_1); // DREG

@@ -1,7 +1,8 @@
 //! The native nftables dataplane (`--dataplane nftables`, issue 19): work
 //! in progress. Built so far: [`netlink`], our own nf_tables messages
-//! over `netlink-sys` (tables, address sets and network sets with their
-//! elements, one batch per commit, dumps to read back), and
+//! over `netlink-sys` (tables; address, network and named-port
+//! `addr . proto . port` sets with their elements; chains and rules from
+//! [`expr`]essions; one batch per commit, dumps to read back), and
 //! [`intervals`], the calc graph's CIDRs as the disjoint ranges an
 //! interval set holds, changed by difference; tested against the kernel
 //! (`tests/nftables_netns.rs`). Nothing selects this backend yet.
@@ -45,8 +46,7 @@
 //! - Each chain is reached from one hook only (a graph reached from two
 //!   hooks is walked twice): forward and input get separate shards.
 //!
-//! Next steps, in order: the concatenated `ip,port` sets (Calico's
-//! named-port sets); set names `nft` can print (it cannot parse a name
+//! Next steps, in order: set names `nft` can print (it cannot parse a name
 //! with `:`, as Calico's IP-set ids have); chains and rules (the
 //! iptables renderer's rules as nft expressions); the shard tables and the
 //! dispatch maps; the backend behind the managers (`--dataplane

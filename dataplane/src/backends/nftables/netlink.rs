@@ -5,8 +5,9 @@
 //! which this Apache-2.0 project cannot ship linked in; `nft` is a process
 //! (30–50 ms) per change and fetches whole interval sets.
 //!
-//! What is here so far: tables; sets of IPv4 or IPv6 addresses (hash) and
-//! of networks (interval sets, as merged ranges: [`super::intervals`]);
+//! What is here so far: tables; sets of IPv4 or IPv6 addresses (hash), of
+//! `addr . proto . port` (Calico's named ports) and of networks (interval
+//! sets, as merged ranges: [`super::intervals`]);
 //! their elements added, removed (idempotently: `DESTROY`) and read back.
 //! Chains, rules and maps come with the policy layout (see the module
 //! above).
@@ -79,6 +80,9 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 // nft's data types (`nft describe ipv4_addr`).
 const TYPE_IPADDR: u32 = 7;
 const TYPE_IP6ADDR: u32 = 8;
+const TYPE_INET_PROTO: u32 = 12;
+const TYPE_INET_SERVICE: u32 = 13;
+const TYPE_BITS: u32 = 6;
 
 /// An address family of nf_tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -103,13 +107,80 @@ impl Family {
 pub enum KeyType {
     Ipv4Addr,
     Ipv6Addr,
+    /// `ipv4_addr . inet_proto . inet_service`: Calico's named-port sets
+    /// (`hash:ip,port`).
+    Ipv4AddrProtoPort,
+    Ipv6AddrProtoPort,
 }
 
 impl KeyType {
+    /// nft's type number (a concatenation's types, 6 bits each) and the
+    /// key's length (each field padded to 4 bytes).
     fn code(self) -> (u32, u32) {
+        let concat =
+            |addr: u32| ((addr << TYPE_BITS) | TYPE_INET_PROTO) << TYPE_BITS | TYPE_INET_SERVICE;
         match self {
             Self::Ipv4Addr => (TYPE_IPADDR, 4),
             Self::Ipv6Addr => (TYPE_IP6ADDR, 16),
+            Self::Ipv4AddrProtoPort => (concat(TYPE_IPADDR), 12),
+            Self::Ipv6AddrProtoPort => (concat(TYPE_IP6ADDR), 24),
+        }
+    }
+}
+
+/// One element's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Key {
+    Addr(IpAddr),
+    /// An address, an IP protocol number and a port.
+    AddrProtoPort(IpAddr, u8, u16),
+}
+
+impl From<IpAddr> for Key {
+    fn from(a: IpAddr) -> Self {
+        Self::Addr(a)
+    }
+}
+
+impl Key {
+    /// As the kernel holds it: fields in network order, each padded to 4
+    /// bytes.
+    fn bytes(&self) -> Vec<u8> {
+        let addr = |a: &IpAddr| match a {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        };
+        match self {
+            Self::Addr(a) => addr(a),
+            Self::AddrProtoPort(a, proto, port) => {
+                let mut b = addr(a);
+                b.extend([*proto, 0, 0, 0]);
+                b.extend(port.to_be_bytes());
+                b.extend([0, 0]);
+                b
+            }
+        }
+    }
+
+    fn parse(v: &[u8]) -> Option<Self> {
+        let addr = |v: &[u8]| -> Option<IpAddr> {
+            match v.len() {
+                4 => Some(IpAddr::from(<[u8; 4]>::try_from(v).ok()?)),
+                16 => Some(IpAddr::from(<[u8; 16]>::try_from(v).ok()?)),
+                _ => None,
+            }
+        };
+        match v.len() {
+            4 | 16 => addr(v).map(Self::Addr),
+            12 | 24 => {
+                let n = v.len() - 8;
+                Some(Self::AddrProtoPort(
+                    addr(&v[..n])?,
+                    v[n],
+                    u16::from_be_bytes([v[n + 4], v[n + 5]]),
+                ))
+            }
+            _ => None,
         }
     }
 }
@@ -160,14 +231,14 @@ pub enum Op {
         family: Family,
         table: String,
         set: String,
-        elements: Vec<IpAddr>,
+        elements: Vec<Key>,
     },
     /// Elements removed (those not there are no error).
     DestroyElements {
         family: Family,
         table: String,
         set: String,
-        elements: Vec<IpAddr>,
+        elements: Vec<Key>,
     },
     /// Ranges added to an interval set (disjoint from those there:
     /// [`super::intervals::diff`]).
@@ -281,22 +352,15 @@ fn message(ty: u16, flags: u16, seq: u32, family: u8, res_id: u16, attrs: &[u8])
     m
 }
 
-fn addr_bytes(a: &IpAddr) -> Vec<u8> {
-    match a {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
-    }
-}
-
 /// Set elements: (key, is an interval end).
-fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[(IpAddr, bool)]) {
+fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[(Key, bool)]) {
     attr_str(buf, NFTA_SET_ELEM_LIST_TABLE, table);
     attr_str(buf, NFTA_SET_ELEM_LIST_SET, set);
     nested(buf, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
         for (e, end) in elements {
             nested(b, NFTA_LIST_ELEM, |b| {
                 nested(b, NFTA_SET_ELEM_KEY, |b| {
-                    attr(b, NFTA_DATA_VALUE, &addr_bytes(e));
+                    attr(b, NFTA_DATA_VALUE, &e.bytes());
                 });
                 if *end {
                     attr_u32(b, NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END);
@@ -307,10 +371,12 @@ fn elements_attr(buf: &mut Vec<u8>, table: &str, set: &str, elements: &[(IpAddr,
 }
 
 /// A range as elements: its start, and its end flagged as one.
-fn range_elements(ranges: &[Range]) -> Vec<(IpAddr, bool)> {
+fn range_elements(ranges: &[Range]) -> Vec<(Key, bool)> {
     ranges
         .iter()
-        .flat_map(|r| std::iter::once((r.start, false)).chain(r.end.map(|e| (e, true))))
+        .flat_map(|r| {
+            std::iter::once((Key::Addr(r.start), false)).chain(r.end.map(|e| (Key::Addr(e), true)))
+        })
         .collect()
 }
 
@@ -676,17 +742,17 @@ impl NftNetlink {
             .collect())
     }
 
-    /// The addresses in set `set` of `table`.
+    /// The keys in set `set` of `table`.
     pub fn elements(
         &mut self,
         family: Family,
         table: &str,
         set: &str,
-    ) -> Result<Vec<IpAddr>, NftError> {
+    ) -> Result<Vec<Key>, NftError> {
         Ok(self
             .raw_elements(family, table, set)?
             .into_iter()
-            .map(|(a, _)| a)
+            .map(|(k, _)| k)
             .collect())
     }
 
@@ -697,9 +763,16 @@ impl NftNetlink {
         table: &str,
         set: &str,
     ) -> Result<Vec<Range>, NftError> {
-        Ok(super::intervals::from_elements(
-            self.raw_elements(family, table, set)?,
-        ))
+        let mut addrs = Vec::new();
+        for (k, end) in self.raw_elements(family, table, set)? {
+            let Key::Addr(a) = k else {
+                return Err(NftError::Protocol(format!(
+                    "set {table}/{set} holds {k:?}: not an interval set of addresses"
+                )));
+            };
+            addrs.push((a, end));
+        }
+        Ok(super::intervals::from_elements(addrs))
     }
 
     /// Each element's key, and whether it ends an interval.
@@ -708,7 +781,7 @@ impl NftNetlink {
         family: Family,
         table: &str,
         set: &str,
-    ) -> Result<Vec<(IpAddr, bool)>, NftError> {
+    ) -> Result<Vec<(Key, bool)>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
         attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
@@ -731,15 +804,12 @@ impl NftNetlink {
                 let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
                     continue;
                 };
-                match v.len() {
-                    4 => out.push((IpAddr::from(<[u8; 4]>::try_from(v).expect("4 bytes")), end)),
-                    16 => out.push((
-                        IpAddr::from(<[u8; 16]>::try_from(v).expect("16 bytes")),
-                        end,
-                    )),
-                    n => {
+                match Key::parse(v) {
+                    Some(k) => out.push((k, end)),
+                    None => {
                         return Err(NftError::Protocol(format!(
-                            "set {table}/{set}: a key of {n} bytes is not an address"
+                            "set {table}/{set}: a key of {} bytes is none of ours",
+                            v.len()
                         )));
                     }
                 }
@@ -864,6 +934,24 @@ mod tests {
         assert_eq!(be_u32(get(&a, NFTA_SET_KEY_LEN).unwrap()), 4);
         let key = attrs(get(&a, NFTA_SET_ELEM_KEY).unwrap());
         assert_eq!(get(&key, NFTA_DATA_VALUE).unwrap(), [10, 0, 0, 1]);
+    }
+
+    #[test]
+    fn keys_round_trip_as_the_kernel_holds_them() {
+        for k in [
+            Key::Addr("10.0.0.1".parse().unwrap()),
+            Key::Addr("fd00::1".parse().unwrap()),
+            Key::AddrProtoPort("10.0.0.1".parse().unwrap(), 6, 8080),
+            Key::AddrProtoPort("fd00::1".parse().unwrap(), 17, 53),
+        ] {
+            assert_eq!(Key::parse(&k.bytes()), Some(k));
+        }
+        let b = Key::AddrProtoPort("10.0.0.1".parse().unwrap(), 6, 8080).bytes();
+        assert_eq!(b, [10, 0, 0, 1, 6, 0, 0, 0, 0x1f, 0x90, 0, 0]);
+        assert_eq!(
+            KeyType::Ipv4AddrProtoPort.code(),
+            ((7 << 12) | (12 << 6) | 13, 12)
+        );
     }
 
     #[test]
