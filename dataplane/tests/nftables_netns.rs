@@ -621,6 +621,78 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
         listed.contains("meta mark & 0x00010000 == 0x00010000 counter"),
         "{listed}"
     );
+    // Read back: the chains with their hooks, the rules in order with the
+    // comments the backend knows its own by. A rule removed from outside
+    // is seen missing; one added from outside is seen without a comment;
+    // ours goes by its handle.
+    let rules_now = || {
+        host.within(|| -> Result<Vec<(String, String, u64)>> {
+            Ok(NftNetlink::open()?
+                .rules(Family::Ip, "dph-pk")?
+                .into_iter()
+                .map(|r| (r.chain, r.comment, r.handle))
+                .collect())
+        })
+    };
+    let chains = host
+        .within(|| -> Result<Vec<_>> { Ok(NftNetlink::open()?.chains(Family::Ip, "dph-pk")?) })?;
+    let input = chains.iter().find(|c| c.name == "input").context("input")?;
+    assert_eq!(input.hook, Some((1, 0)), "{chains:?}");
+    assert_eq!(
+        chains
+            .iter()
+            .find(|c| c.name == "mark-it")
+            .context("mark-it")?
+            .hook,
+        None
+    );
+    let rules = rules_now()?;
+    let of_input: Vec<&str> = rules
+        .iter()
+        .filter(|r| r.0 == "input")
+        .map(|r| r.1.as_str())
+        .collect();
+    assert_eq!(
+        of_input,
+        [
+            "to the marking chain",
+            "named port",
+            "marked",
+            "blocked sources"
+        ]
+    );
+    let blocked = rules
+        .iter()
+        .find(|r| r.1 == "blocked sources")
+        .context("rule")?
+        .2;
+    host.nft(&[
+        "delete",
+        "rule",
+        "ip",
+        "dph-pk",
+        "input",
+        "handle",
+        &blocked.to_string(),
+    ])?;
+    host.nft(&["add", "rule", "ip", "dph-pk", "input", "counter"])?;
+    let rules = rules_now()?;
+    assert!(!rules.iter().any(|r| r.1 == "blocked sources"), "{rules:?}");
+    assert!(
+        rules.iter().any(|r| r.0 == "input" && r.1.is_empty()),
+        "{rules:?}"
+    );
+    let marked = rules.iter().find(|r| r.1 == "marked").context("rule")?.2;
+    host.within(move || -> Result<()> {
+        Ok(NftNetlink::open()?.commit(&[Op::DeleteRule {
+            family: Family::Ip,
+            table: "dph-pk".into(),
+            chain: "input".into(),
+            handle: marked,
+        }])?)
+    })?;
+    assert!(!rules_now()?.iter().any(|r| r.1 == "marked"));
+
     // Flushed: no rules, the chains stay.
     host.within(|| -> Result<()> {
         Ok(NftNetlink::open()?.commit(&[Op::FlushChain {

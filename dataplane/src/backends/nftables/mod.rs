@@ -2,7 +2,8 @@
 //! in progress. Built so far: [`netlink`], our own nf_tables messages
 //! over `netlink-sys` (tables; address, network and named-port
 //! `addr . proto . port` sets with their elements; chains and rules from
-//! [`expr`]essions; one batch per commit, dumps to read back), and
+//! [`expr`]essions; one batch per commit; tables, chains with their hooks,
+//! rules with their handles and comments, sets and elements read back), and
 //! [`intervals`], the calc graph's CIDRs as the disjoint ranges an
 //! interval set holds, changed by difference; tested against the kernel
 //! (`tests/nftables_netns.rs`). Nothing selects this backend yet.

@@ -37,7 +37,9 @@ const NFNL_MSG_BATCH_END: u16 = 17;
 const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_GETCHAIN: u16 = 4;
 const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_GETRULE: u16 = 7;
 const NFT_MSG_DELRULE: u16 = 8;
 const NFT_MSG_DESTROYCHAIN: u16 = 27;
 const NFT_MSG_NEWSET: u16 = 9;
@@ -58,6 +60,7 @@ const NFTA_HOOK_HOOKNUM: u16 = 1;
 const NFTA_HOOK_PRIORITY: u16 = 2;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_HANDLE: u16 = 3;
 const NFTA_RULE_EXPRESSIONS: u16 = 4;
 const NFTA_RULE_USERDATA: u16 = 7;
 const NFTA_SET_TABLE: u16 = 1;
@@ -268,6 +271,13 @@ pub enum Op {
         table: String,
         chain: String,
     },
+    /// One rule removed, by its handle.
+    DeleteRule {
+        family: Family,
+        table: String,
+        chain: String,
+        handle: u64,
+    },
     /// Every rule of the chain removed.
     FlushChain {
         family: Family,
@@ -282,6 +292,23 @@ pub enum Op {
         exprs: Vec<super::expr::Expr>,
         comment: String,
     },
+}
+
+/// A chain as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainInfo {
+    pub name: String,
+    /// Hook number and priority of a base chain.
+    pub hook: Option<(u32, i32)>,
+}
+
+/// A rule as the kernel reports it: where, its handle (to delete it by),
+/// and its comment (what the backend recognises its own rules by).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleInfo {
+    pub chain: String,
+    pub handle: u64,
+    pub comment: String,
 }
 
 /// A set as the kernel reports it.
@@ -552,6 +579,17 @@ impl NftNetlink {
                         attr_str(&mut a, NFTA_CHAIN_NAME, chain);
                         (NFT_MSG_DESTROYCHAIN, 0, *family)
                     }
+                    Op::DeleteRule {
+                        family,
+                        table,
+                        chain,
+                        handle,
+                    } => {
+                        attr_str(&mut a, NFTA_RULE_TABLE, table);
+                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
+                        attr(&mut a, NFTA_RULE_HANDLE, &handle.to_be_bytes());
+                        (NFT_MSG_DELRULE, 0, *family)
+                    }
                     Op::FlushChain {
                         family,
                         table,
@@ -742,6 +780,52 @@ impl NftNetlink {
             .collect())
     }
 
+    /// The chains of `table`.
+    pub fn chains(&mut self, family: Family, table: &str) -> Result<Vec<ChainInfo>, NftError> {
+        let mut a = Vec::new();
+        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
+        Ok(self
+            .dump(NFT_MSG_GETCHAIN, family, &a)?
+            .iter()
+            .map(|m| {
+                let a = attrs(m);
+                let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
+                    let h = attrs(h);
+                    (
+                        get(&h, NFTA_HOOK_HOOKNUM).map_or(0, be_u32),
+                        get(&h, NFTA_HOOK_PRIORITY).map_or(0, be_u32) as i32,
+                    )
+                });
+                ChainInfo {
+                    name: get(&a, NFTA_CHAIN_NAME).map(string).unwrap_or_default(),
+                    hook,
+                }
+            })
+            .collect())
+    }
+
+    /// The rules of `table`, in each chain's order.
+    pub fn rules(&mut self, family: Family, table: &str) -> Result<Vec<RuleInfo>, NftError> {
+        let mut a = Vec::new();
+        attr_str(&mut a, NFTA_RULE_TABLE, table);
+        Ok(self
+            .dump(NFT_MSG_GETRULE, family, &a)?
+            .iter()
+            .map(|m| {
+                let a = attrs(m);
+                RuleInfo {
+                    chain: get(&a, NFTA_RULE_CHAIN).map(string).unwrap_or_default(),
+                    handle: get(&a, NFTA_RULE_HANDLE)
+                        .and_then(|h| <[u8; 8]>::try_from(h).ok())
+                        .map_or(0, u64::from_be_bytes),
+                    comment: get(&a, NFTA_RULE_USERDATA)
+                        .map(comment_of)
+                        .unwrap_or_default(),
+                }
+            })
+            .collect())
+    }
+
     /// The keys in set `set` of `table`.
     pub fn elements(
         &mut self,
@@ -817,6 +901,21 @@ impl NftNetlink {
         }
         Ok(out)
     }
+}
+
+/// The comment in a rule's user data (nft's TLVs; type 0).
+fn comment_of(mut udata: &[u8]) -> String {
+    while udata.len() >= 2 {
+        let (ty, len) = (udata[0], udata[1] as usize);
+        let Some(v) = udata.get(2..2 + len) else {
+            break;
+        };
+        if ty == 0 {
+            return string(v);
+        }
+        udata = &udata[2 + len..];
+    }
+    String::new()
 }
 
 /// Elements per message: an attribute holds at most 64 KiB (an IPv6
@@ -907,6 +1006,12 @@ fn describe(op: &Op) -> String {
         Op::AddChain { table, chain, .. } => format!("adding chain {table}/{chain}"),
         Op::DestroyChain { table, chain, .. } => format!("removing chain {table}/{chain}"),
         Op::FlushChain { table, chain, .. } => format!("flushing chain {table}/{chain}"),
+        Op::DeleteRule {
+            table,
+            chain,
+            handle,
+            ..
+        } => format!("removing rule {handle} from {table}/{chain}"),
         Op::AddRule {
             table,
             chain,
