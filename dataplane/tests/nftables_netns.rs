@@ -10,9 +10,8 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use dphandler_dataplane::backends::nftables::intervals;
-use dphandler_dataplane::backends::nftables::netlink::{
-    Family, Key, KeyType, NftError, NftNetlink, Op,
-};
+use dphandler_dataplane::backends::nftables::netlink::{NftError, NftNetlink};
+use dphandler_dataplane::backends::nftables::ops::{Family, Key, KeyType, Op};
 
 struct Netns(String);
 
@@ -401,7 +400,7 @@ fn ip(ns: &Netns, args: &[&str]) -> Result<()> {
 #[test]
 fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
-    use dphandler_dataplane::backends::nftables::netlink::{BaseChain, Hook};
+    use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
     if !root() {
         return Ok(());
     }

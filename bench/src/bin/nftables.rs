@@ -25,9 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
-use dphandler_dataplane::backends::nftables::netlink::{
-    BaseChain, Family, Hook, KeyType, NftNetlink, Op,
-};
+use dphandler_dataplane::backends::nftables::netlink::NftNetlink;
+use dphandler_dataplane::backends::nftables::ops::{BaseChain, Family, Hook, KeyType, Op};
 
 #[derive(Parser, Debug)]
 #[command(about = "nf_tables commit cost: our netlink vs nft, same run")]

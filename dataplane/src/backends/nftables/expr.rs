@@ -3,7 +3,7 @@
 //! lookups, conntrack state, counters, verdicts). Pure: expressions in,
 //! bytes out.
 
-use super::netlink::{NLA_F_NESTED, attr, attr_str, attr_u32};
+use super::wire::{NLA_F_NESTED, attr, attr_str, attr_u32};
 
 const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_EXPR_NAME: u16 = 1;

@@ -56,3 +56,5 @@
 pub mod expr;
 pub mod intervals;
 pub mod netlink;
+pub mod ops;
+mod wire;
