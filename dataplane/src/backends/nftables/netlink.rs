@@ -9,7 +9,7 @@
 //! network sets and their elements; chains; rules from
 //! [`super::expr`]essions) encoded as one batch, its replies read; and
 //! dumps of tables, chains, rules, sets and elements. The messages'
-//! bytes are [`super::wire`]'s. Maps come with the policy layout (see the
+//! bytes are the `wire` module's. Maps come with the policy layout (see the
 //! module above).
 
 use std::io;
