@@ -704,3 +704,113 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     assert!(!listed.contains("drop"), "{listed}");
     Ok(())
 }
+
+#[test]
+fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
+    use dphandler_dataplane::backends::nftables::expr::{Expr, Meta, Verdict};
+    use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
+    if !root() {
+        return Ok(());
+    }
+    let host = Netns::new("nftvm-h")?;
+    let client = Netns::new("nftvm-c")?;
+    ip(
+        &host,
+        &[
+            "link", "add", "wl1", "type", "veth", "peer", "name", "eth0", "netns", &client.0,
+        ],
+    )?;
+    ip(&host, &["addr", "add", "10.78.0.1/24", "dev", "wl1"])?;
+    ip(&host, &["link", "set", "wl1", "up"])?;
+    ip(&client, &["addr", "add", "10.78.0.2/24", "dev", "eth0"])?;
+    ip(&client, &["link", "set", "eth0", "up"])?;
+    let listener = host.within(|| std::net::TcpListener::bind("10.78.0.1:8080"))?;
+    std::thread::spawn(move || {
+        for c in listener.incoming().flatten() {
+            drop(c)
+        }
+    });
+    let connects = || {
+        client.within(|| {
+            let to: std::net::SocketAddr = "10.78.0.1:8080".parse().unwrap();
+            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500)).is_ok()
+        })
+    };
+    let commit =
+        |ops: Vec<Op>| host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&ops)?) });
+    let t = |s: &str| s.to_string();
+    let (table, map) = (t("dph-vm"), t("dispatch"));
+    commit(vec![
+        Op::AddTable {
+            family: Family::Ip,
+            table: table.clone(),
+        },
+        Op::AddVerdictMap {
+            family: Family::Ip,
+            table: table.clone(),
+            map: map.clone(),
+            key: KeyType::IfName,
+        },
+        // The endpoint's chain: it refuses everything.
+        Op::AddChain {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("ep-wl1"),
+            base: None,
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("ep-wl1"),
+            exprs: vec![Expr::Counter, Expr::Verdict(Verdict::Drop)],
+            comment: t("endpoint wl1"),
+        },
+        Op::AddChain {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            base: Some(BaseChain {
+                hook: Hook::Input,
+                priority: 0,
+                accept_by_default: true,
+            }),
+        },
+        Op::AddRule {
+            family: Family::Ip,
+            table: table.clone(),
+            chain: t("input"),
+            exprs: vec![
+                Expr::Meta(Meta::IifName),
+                Expr::VerdictMap { map: map.clone() },
+            ],
+            comment: t("dispatch"),
+        },
+    ])?;
+    assert!(connects(), "no entry for wl1: on past the map");
+    let entry = |v: Verdict| Op::AddVerdicts {
+        family: Family::Ip,
+        table: t("dph-vm"),
+        map: t("dispatch"),
+        entries: vec![(Key::ifname("wl1"), v)],
+    };
+    let drop_entry = || Op::DestroyElements {
+        family: Family::Ip,
+        table: t("dph-vm"),
+        set: t("dispatch"),
+        elements: vec![Key::ifname("wl1")],
+    };
+    commit(vec![entry(Verdict::Goto(t("ep-wl1")))])?;
+    assert!(!connects(), "wl1 goes to its chain, which drops");
+    // Its verdict changed in one commit: the old entry out, the new in.
+    commit(vec![drop_entry(), entry(Verdict::Accept)])?;
+    assert!(connects(), "wl1 accepted by the map itself");
+    let listed = host.nft(&["list", "table", "ip", "dph-vm"])?;
+    for want in [
+        "type ifname : verdict",
+        "\"wl1\" : accept",
+        "iifname vmap @dispatch comment \"dispatch\"",
+    ] {
+        assert!(listed.contains(want), "{want:?} in {listed}");
+    }
+    Ok(())
+}

@@ -26,7 +26,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
 use dphandler_dataplane::backends::nftables::netlink::NftNetlink;
-use dphandler_dataplane::backends::nftables::ops::{BaseChain, Family, Hook, KeyType, Op};
+use dphandler_dataplane::backends::nftables::ops::{BaseChain, Family, Hook, Key, KeyType, Op};
 
 #[derive(Parser, Debug)]
 #[command(about = "nf_tables commit cost: our netlink vs nft, same run")]
@@ -95,6 +95,20 @@ fn build(nl: &mut NftNetlink, chains: usize, per: usize) -> Result<()> {
             key: KeyType::Ipv4Addr,
             interval: false,
         },
+        Op::AddVerdictMap {
+            family: Family::Ip,
+            table: t(BIG),
+            map: t("dispatch"),
+            key: KeyType::IfName,
+        },
+        rule(
+            BIG,
+            "input",
+            vec![
+                Expr::Meta(Meta::IifName),
+                Expr::VerdictMap { map: t("dispatch") },
+            ],
+        ),
         Op::AddTable {
             family: Family::Ip,
             table: t(SMALL),
@@ -135,6 +149,16 @@ fn build(nl: &mut NftNetlink, chains: usize, per: usize) -> Result<()> {
         nl.commit(&ops)?;
     }
     Ok(())
+}
+
+/// An entry of the big table's dispatch map for interface `x<i>`.
+fn verdicts(i: usize, v: Verdict) -> Op {
+    Op::AddVerdicts {
+        family: Family::Ip,
+        table: BIG.into(),
+        map: "dispatch".into(),
+        entries: vec![(Key::ifname(&format!("x{i}")), v)],
+    }
 }
 
 fn median(mut v: Vec<Duration>) -> f64 {
@@ -204,6 +228,34 @@ fn main() -> Result<()> {
             Box::new(|| {
                 let i = next();
                 nft(&format!("add element ip {BIG} s {{ {} }}\n", a(i)))
+            }),
+        ),
+        (
+            "dispatch map entry `: accept` (data only)",
+            Box::new(|| {
+                let i = next();
+                Ok(nl.borrow_mut().commit(&[verdicts(i, Verdict::Accept)])?)
+            }),
+            Box::new(|| {
+                let i = next();
+                nft(&format!(
+                    "add element ip {BIG} dispatch {{ \"x{i}\" : accept }}\n"
+                ))
+            }),
+        ),
+        (
+            "dispatch map entry `: goto` an endpoint chain",
+            Box::new(|| {
+                let i = next();
+                Ok(nl
+                    .borrow_mut()
+                    .commit(&[verdicts(i, Verdict::Goto("c0".into()))])?)
+            }),
+            Box::new(|| {
+                let i = next();
+                nft(&format!(
+                    "add element ip {BIG} dispatch {{ \"x{i}\" : goto c0 }}\n"
+                ))
             }),
         ),
         (

@@ -69,6 +69,11 @@ pub enum Expr {
         set: String,
         invert: bool,
     },
+    /// The verdict the map holds for the register's value (`vmap`); no
+    /// entry: on to the next rule.
+    VerdictMap {
+        map: String,
+    },
     /// Loads each field (`Meta`/`Payload`) into consecutive 32-bit
     /// registers and looks the concatenation up in a set (`ip saddr .
     /// meta l4proto . th dport @set`).
@@ -163,6 +168,24 @@ fn lookup(buf: &mut Vec<u8>, set: &str, sreg: u32, invert: bool) {
     });
 }
 
+/// A verdict as nf_tables data (`NFTA_DATA_VERDICT`): an immediate's, or a
+/// verdict map element's.
+pub(super) fn verdict_data(b: &mut Vec<u8>, v: &Verdict) {
+    nested(b, NFTA_DATA_VERDICT, |b| {
+        let (code, chain): (i32, Option<&str>) = match v {
+            Verdict::Drop => (0, None),
+            Verdict::Accept => (1, None),
+            Verdict::Jump(c) => (-3, Some(c)),
+            Verdict::Goto(c) => (-4, Some(c)),
+            Verdict::Return => (-5, None),
+        };
+        attr(b, NFTA_VERDICT_CODE, &code.to_be_bytes());
+        if let Some(c) = chain {
+            attr_str(b, NFTA_VERDICT_CHAIN, c);
+        }
+    });
+}
+
 /// The expressions of a rule, as the `NFTA_RULE_EXPRESSIONS` list's body.
 pub fn encode(exprs: &[Expr]) -> Vec<u8> {
     let mut buf = Vec::new();
@@ -174,6 +197,11 @@ pub fn encode(exprs: &[Expr]) -> Vec<u8> {
             }
             Expr::Cmp { eq, data } => cmp(&mut buf, *eq, data),
             Expr::Lookup { set, invert } => lookup(&mut buf, set, NFT_REG_1, *invert),
+            Expr::VerdictMap { map } => expr(&mut buf, "lookup", |b| {
+                attr_str(b, 1, map); // SET
+                attr_u32(b, 2, NFT_REG_1); // SREG
+                attr_u32(b, 3, NFT_REG_VERDICT); // DREG
+            }),
             Expr::LookupConcat {
                 fields,
                 set,
@@ -220,22 +248,7 @@ pub fn encode(exprs: &[Expr]) -> Vec<u8> {
             Expr::Counter => expr(&mut buf, "counter", |_| {}),
             Expr::Verdict(v) => expr(&mut buf, "immediate", |b| {
                 attr_u32(b, 1, NFT_REG_VERDICT); // DREG
-                nested(b, 2, |b| {
-                    // DATA
-                    nested(b, NFTA_DATA_VERDICT, |b| {
-                        let (code, chain): (i32, Option<&str>) = match v {
-                            Verdict::Drop => (0, None),
-                            Verdict::Accept => (1, None),
-                            Verdict::Jump(c) => (-3, Some(c)),
-                            Verdict::Goto(c) => (-4, Some(c)),
-                            Verdict::Return => (-5, None),
-                        };
-                        attr(b, NFTA_VERDICT_CODE, &code.to_be_bytes());
-                        if let Some(c) = chain {
-                            attr_str(b, NFTA_VERDICT_CHAIN, c);
-                        }
-                    });
-                });
+                nested(b, 2, |b| verdict_data(b, v)); // DATA
             }),
         }
     }

@@ -1,7 +1,8 @@
 //! The native nftables dataplane (`--dataplane nftables`, issue 19): work
 //! in progress. Built so far: [`netlink`], our own nf_tables messages
 //! over `netlink-sys` (tables; address, network and named-port
-//! `addr . proto . port` sets with their elements; chains and rules from
+//! `addr . proto . port` sets with their elements; interface → verdict
+//! maps (the dispatch); chains and rules from
 //! [`expr`]essions; one batch per commit; tables, chains with their hooks,
 //! rules with their handles and comments, sets and elements read back), and
 //! [`intervals`], the calc graph's CIDRs as the disjoint ranges an

@@ -56,7 +56,14 @@ const NFTA_SET_NAME: u16 = 2;
 const NFTA_SET_FLAGS: u16 = 3;
 const NFTA_SET_KEY_TYPE: u16 = 4;
 const NFTA_SET_KEY_LEN: u16 = 5;
+const NFTA_SET_DATA_TYPE: u16 = 6;
 const NFTA_SET_ID: u16 = 10;
+const NFTA_SET_ELEM_DATA: u16 = 2;
+const NFT_SET_MAP: u32 = 0x8;
+const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
+const NFTA_SET_USERDATA: u16 = 13;
+/// nft's `BYTEORDER_HOST_ENDIAN`, as interface names are.
+const KEY_BYTEORDER: u32 = 1;
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
 const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
@@ -202,6 +209,49 @@ impl NftNetlink {
                         attr_str(&mut a, NFTA_SET_TABLE, table);
                         attr_str(&mut a, NFTA_SET_NAME, set);
                         (NFT_MSG_DESTROYSET, 0, *family)
+                    }
+                    Op::AddVerdictMap {
+                        family,
+                        table,
+                        map,
+                        key,
+                    } => {
+                        let (ty, len) = key.code();
+                        attr_str(&mut a, NFTA_SET_TABLE, table);
+                        attr_str(&mut a, NFTA_SET_NAME, map);
+                        attr_u32(&mut a, NFTA_SET_FLAGS, NFT_SET_MAP);
+                        attr_u32(&mut a, NFTA_SET_KEY_TYPE, ty);
+                        attr_u32(&mut a, NFTA_SET_KEY_LEN, len);
+                        attr_u32(&mut a, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+                        attr_u32(&mut a, NFTA_SET_ID, seq);
+                        // For `nft` to print the keys: their byte order in
+                        // its user data (libnftnl's KEYBYTEORDER TLV).
+                        let mut udata = vec![0u8, 4];
+                        udata.extend(KEY_BYTEORDER.to_ne_bytes());
+                        attr(&mut a, NFTA_SET_USERDATA, &udata);
+                        (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+                    }
+                    Op::AddVerdicts {
+                        family,
+                        table,
+                        map,
+                        entries,
+                    } => {
+                        attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
+                        attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, map);
+                        nested(&mut a, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
+                            for (k, v) in entries {
+                                nested(b, NFTA_LIST_ELEM, |b| {
+                                    nested(b, NFTA_SET_ELEM_KEY, |b| {
+                                        attr(b, NFTA_DATA_VALUE, &k.bytes());
+                                    });
+                                    nested(b, NFTA_SET_ELEM_DATA, |b| {
+                                        super::expr::verdict_data(b, v)
+                                    });
+                                });
+                            }
+                        });
+                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
                     }
                     Op::AddElements {
                         family,

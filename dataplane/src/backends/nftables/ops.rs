@@ -11,6 +11,7 @@ const TYPE_IP6ADDR: u32 = 8;
 const TYPE_INET_PROTO: u32 = 12;
 const TYPE_INET_SERVICE: u32 = 13;
 const TYPE_BITS: u32 = 6;
+const TYPE_IFNAME: u32 = 41;
 
 /// An address family of nf_tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -39,6 +40,8 @@ pub enum KeyType {
     /// (`hash:ip,port`).
     Ipv4AddrProtoPort,
     Ipv6AddrProtoPort,
+    /// An interface name (the dispatch maps' key).
+    IfName,
 }
 
 impl KeyType {
@@ -52,6 +55,7 @@ impl KeyType {
             Self::Ipv6Addr => (TYPE_IP6ADDR, 16),
             Self::Ipv4AddrProtoPort => (concat(TYPE_IPADDR), 12),
             Self::Ipv6AddrProtoPort => (concat(TYPE_IP6ADDR), 24),
+            Self::IfName => (TYPE_IFNAME, 16),
         }
     }
 }
@@ -62,6 +66,18 @@ pub enum Key {
     Addr(IpAddr),
     /// An address, an IP protocol number and a port.
     AddrProtoPort(IpAddr, u8, u16),
+    /// An interface name, NUL-padded ([`Key::ifname`]).
+    IfName([u8; 16]),
+}
+
+impl Key {
+    /// An interface name as a key (at most 15 bytes, as the kernel's).
+    pub fn ifname(name: &str) -> Self {
+        let mut b = [0u8; 16];
+        let n = name.len().min(15);
+        b[..n].copy_from_slice(&name.as_bytes()[..n]);
+        Self::IfName(b)
+    }
 }
 
 impl From<IpAddr> for Key {
@@ -80,6 +96,7 @@ impl Key {
         };
         match self {
             Self::Addr(a) => addr(a),
+            Self::IfName(b) => b.to_vec(),
             Self::AddrProtoPort(a, proto, port) => {
                 let mut b = addr(a);
                 b.extend([*proto, 0, 0, 0]);
@@ -167,6 +184,23 @@ pub enum Op {
         table: String,
         set: String,
         elements: Vec<Key>,
+    },
+    /// A verdict map (`iifname vmap @map`): keys of `key`, each to a
+    /// verdict; a `goto` element is validated like a rule, an `accept` or
+    /// `drop` one is data.
+    AddVerdictMap {
+        family: Family,
+        table: String,
+        map: String,
+        key: KeyType,
+    },
+    /// Entries added to a verdict map (a key there already must be
+    /// removed first, in the same commit, to change its verdict).
+    AddVerdicts {
+        family: Family,
+        table: String,
+        map: String,
+        entries: Vec<(Key, super::expr::Verdict)>,
     },
     /// Ranges added to an interval set (disjoint from those there:
     /// [`super::intervals::diff`]).
@@ -286,6 +320,17 @@ pub(super) fn chunks(op: &Op) -> Vec<std::borrow::Cow<'_, Op>> {
                 })
                 .collect()
         }
+        // An entry carries a chain name: a quarter as many a message.
+        Op::AddVerdicts { entries, .. } if entries.len() > ELEMENTS_PER_MESSAGE / 4 => entries
+            .chunks(ELEMENTS_PER_MESSAGE / 4)
+            .map(|c| {
+                let mut part = op.clone();
+                if let Op::AddVerdicts { entries, .. } = &mut part {
+                    *entries = c.to_vec();
+                }
+                Cow::Owned(part)
+            })
+            .collect(),
         _ => vec![Cow::Borrowed(op)],
     }
 }
@@ -311,6 +356,13 @@ pub(super) fn describe(op: &Op) -> String {
         Op::AddRanges {
             table, set, ranges, ..
         } => format!("adding {} ranges to {table}/{set}", ranges.len()),
+        Op::AddVerdictMap { table, map, .. } => format!("adding map {table}/{map}"),
+        Op::AddVerdicts {
+            table,
+            map,
+            entries,
+            ..
+        } => format!("adding {} entries to {table}/{map}", entries.len()),
         Op::DestroyRanges {
             table, set, ranges, ..
         } => format!("removing {} ranges from {table}/{set}", ranges.len()),
