@@ -397,6 +397,46 @@ fn ip(ns: &Netns, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// A host and a client namespace joined by a veth (`iface` on the host,
+/// `<net>.1`; `eth0` on the client, `<net>.2`), a TCP server on the host's
+/// port 8080 that takes every connection.
+fn host_and_client(tag: &str, iface: &str, net: &str) -> Result<(Netns, Netns)> {
+    let host = Netns::new(&format!("{tag}-h"))?;
+    let client = Netns::new(&format!("{tag}-c"))?;
+    ip(
+        &host,
+        &[
+            "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &client.0,
+        ],
+    )?;
+    ip(
+        &host,
+        &["addr", "add", &format!("{net}.1/24"), "dev", iface],
+    )?;
+    ip(&host, &["link", "set", iface, "up"])?;
+    ip(
+        &client,
+        &["addr", "add", &format!("{net}.2/24"), "dev", "eth0"],
+    )?;
+    ip(&client, &["link", "set", "eth0", "up"])?;
+    let addr = format!("{net}.1:8080");
+    let listener = host.within(move || std::net::TcpListener::bind(addr))?;
+    std::thread::spawn(move || {
+        for c in listener.incoming().flatten() {
+            drop(c)
+        }
+    });
+    Ok((host, client))
+}
+
+/// Whether `client` gets a TCP connection to `to` within half a second.
+fn connects(client: &Netns, to: &str) -> bool {
+    let to: std::net::SocketAddr = to.parse().expect("an address");
+    client.within(move || {
+        std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500)).is_ok()
+    })
+}
+
 #[test]
 fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
@@ -405,31 +445,9 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
         return Ok(());
     }
     // A host and a client joined by a veth; the server on the host.
-    let host = Netns::new("nftpk-h")?;
-    let client = Netns::new("nftpk-c")?;
-    ip(
-        &host,
-        &[
-            "link", "add", "fw0", "type", "veth", "peer", "name", "eth0", "netns", &client.0,
-        ],
-    )?;
-    ip(&host, &["addr", "add", "10.77.0.1/24", "dev", "fw0"])?;
-    ip(&host, &["link", "set", "fw0", "up"])?;
-    ip(&client, &["addr", "add", "10.77.0.2/24", "dev", "eth0"])?;
-    ip(&client, &["link", "set", "eth0", "up"])?;
-    let listener = host.within(|| std::net::TcpListener::bind("10.77.0.1:8080"))?;
-    std::thread::spawn(move || {
-        for c in listener.incoming().flatten() {
-            drop(c)
-        }
-    });
-    let connects = || {
-        client.within(|| {
-            let to: std::net::SocketAddr = "10.77.0.1:8080".parse().unwrap();
-            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500)).is_ok()
-        })
-    };
-    assert!(connects(), "no rules yet");
+    let (host, client) = host_and_client("nftpk", "fw0", "10.77.0")?;
+    let reaches = || connects(&client, "10.77.0.1:8080");
+    assert!(reaches(), "no rules yet");
 
     let t = |s: &str| s.to_string();
     let table = t("dph-pk");
@@ -546,7 +564,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
         },
     ];
     host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&rules)?) })?;
-    assert!(connects(), "nobody blocked yet");
+    assert!(reaches(), "nobody blocked yet");
     let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
     for want in [
         "hook input priority filter; policy accept;",
@@ -584,9 +602,9 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
         })
     };
     member(true)?;
-    assert!(!connects(), "blocked");
+    assert!(!reaches(), "blocked");
     member(false)?;
-    assert!(connects(), "unblocked");
+    assert!(reaches(), "unblocked");
     // Both counters counted: the marking chain ran (jump, set, return), and
     // the drop rule saw the blocked client's packets.
     let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
@@ -712,30 +730,8 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     if !root() {
         return Ok(());
     }
-    let host = Netns::new("nftvm-h")?;
-    let client = Netns::new("nftvm-c")?;
-    ip(
-        &host,
-        &[
-            "link", "add", "wl1", "type", "veth", "peer", "name", "eth0", "netns", &client.0,
-        ],
-    )?;
-    ip(&host, &["addr", "add", "10.78.0.1/24", "dev", "wl1"])?;
-    ip(&host, &["link", "set", "wl1", "up"])?;
-    ip(&client, &["addr", "add", "10.78.0.2/24", "dev", "eth0"])?;
-    ip(&client, &["link", "set", "eth0", "up"])?;
-    let listener = host.within(|| std::net::TcpListener::bind("10.78.0.1:8080"))?;
-    std::thread::spawn(move || {
-        for c in listener.incoming().flatten() {
-            drop(c)
-        }
-    });
-    let connects = || {
-        client.within(|| {
-            let to: std::net::SocketAddr = "10.78.0.1:8080".parse().unwrap();
-            std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(500)).is_ok()
-        })
-    };
+    let (host, client) = host_and_client("nftvm", "wl1", "10.78.0")?;
+    let reaches = || connects(&client, "10.78.0.1:8080");
     let commit =
         |ops: Vec<Op>| host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&ops)?) });
     let t = |s: &str| s.to_string();
@@ -786,7 +782,7 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
             comment: t("dispatch"),
         },
     ])?;
-    assert!(connects(), "no entry for wl1: on past the map");
+    assert!(reaches(), "no entry for wl1: on past the map");
     let entry = |v: Verdict| Op::AddVerdicts {
         family: Family::Ip,
         table: t("dph-vm"),
@@ -800,10 +796,10 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
         elements: vec![Key::ifname("wl1")],
     };
     commit(vec![entry(Verdict::Goto(t("ep-wl1")))])?;
-    assert!(!connects(), "wl1 goes to its chain, which drops");
+    assert!(!reaches(), "wl1 goes to its chain, which drops");
     // Its verdict changed in one commit: the old entry out, the new in.
     commit(vec![drop_entry(), entry(Verdict::Accept)])?;
-    assert!(connects(), "wl1 accepted by the map itself");
+    assert!(reaches(), "wl1 accepted by the map itself");
     let listed = host.nft(&["list", "table", "ip", "dph-vm"])?;
     for want in [
         "type ifname : verdict",
