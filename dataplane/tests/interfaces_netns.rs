@@ -1,43 +1,14 @@
 //! The interface monitor against the real kernel, in a network namespace
 //! this test creates (and removes, also on failure). Needs root.
 
-use std::process::Command;
 use std::time::Duration;
 
+mod common;
+
 use anyhow::{Context, Result, bail};
+use common::{Netns, privileged, run};
 use dphandler_dataplane::interfaces::{InterfaceEvent, netlink};
 use tokio::sync::mpsc;
-
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Result<Self> {
-        let name = format!("dph-{tag}-{}", std::process::id());
-        run("ip", &["netns", "add", &name])?;
-        Ok(Self(name))
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) -> Result<()> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .with_context(|| format!("spawning {cmd}"))?;
-    if !out.status.success() {
-        bail!("{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(())
-}
-
-fn is_root() -> bool {
-    nix::unistd::Uid::effective().is_root()
-}
 
 /// Run the monitor on a thread that entered `ns`; the netlink socket is
 /// bound to the namespace it was opened in.
@@ -74,7 +45,7 @@ async fn next_matching(
 
 #[tokio::test]
 async fn dump_ends_in_sync_then_changes_stream() -> Result<()> {
-    if !is_root() {
+    if !privileged() {
         assert!(
             std::env::var_os("CI").is_none(),
             "CI must run the privileged tests as root"

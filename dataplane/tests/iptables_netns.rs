@@ -2,60 +2,17 @@
 //! in a network namespace this test creates (and removes, also on failure;
 //! the tools run under `ip netns exec`). Needs root.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{Context, Result, bail};
+mod common;
+
+use anyhow::Result;
+use common::{Netns, privileged};
 use dphandler_dataplane::backends::iptables::restore::{Flavor, IptablesTool};
 use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Rule, Table};
 use dphandler_dataplane::backends::{Backend, BackendError, Phase, Refresh};
 use dphandler_dataplane::model::IpVersion;
-
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Result<Self> {
-        let name = format!("dph-{tag}-{}", std::process::id());
-        run(&["ip", "netns", "add", &name])?;
-        Ok(Self(name))
-    }
-
-    fn exec(&self, args: &[&str]) -> Result<String> {
-        let mut full = vec!["ip", "netns", "exec", &self.0];
-        full.extend_from_slice(args);
-        run(&full)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn run(args: &[&str]) -> Result<String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .with_context(|| format!("spawning {}", args[0]))?;
-    if !out.status.success() {
-        bail!("{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn privileged() -> bool {
-    if nix::unistd::Uid::effective().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "CI must run the privileged tests as root"
-    );
-    eprintln!("skipped: needs root");
-    false
-}
 
 /// Counts restores, so a test can tell that nothing was written.
 #[derive(Debug)]

@@ -3,9 +3,12 @@
 //! removes, also on failure): what they write reads back as the same
 //! value, so a restarted daemon finds nothing to change. Needs root.
 
+mod common;
+
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
+use common::{Netns, privileged};
 use dphandler_dataplane::backends::routes::netlink::RouteNetlink;
 use dphandler_dataplane::backends::routes::{
     KernelFdb, RT_SCOPE_LINK, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE, RTN_UNICAST, RouteOp, RouteSeam,
@@ -19,60 +22,6 @@ use dphandler_dataplane::model::MacAddr;
 use dphandler_dataplane::model::routes::{
     IpRule, RouteClass, RouteKey, RouteKind, RouteTarget, VxlanDevice,
 };
-
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Result<Self> {
-        let name = format!("dph-{tag}-{}", std::process::id());
-        let st = Command::new("ip").args(["netns", "add", &name]).status()?;
-        if !st.success() {
-            bail!("ip netns add {name}");
-        }
-        Ok(Self(name))
-    }
-
-    fn ip(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new("ip")
-            .args(["-n", &self.0])
-            .args(args)
-            .output()
-            .context("ip")?;
-        if !out.status.success() {
-            bail!("ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    /// Runs `f` on a thread inside the namespace (the seams' sockets are
-    /// opened there and stay bound to it).
-    fn inside<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let file = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("netns file");
-        std::thread::spawn(move || {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("thread")
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-/// True when the test may go on: we are root. Without root the test is
-/// skipped, except under CI, where that is a failure.
-fn privileged() -> bool {
-    if nix::unistd::Uid::effective().is_root() {
-        return true;
-    }
-    assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-    eprintln!("skipped: needs root");
-    false
-}
 
 /// A namespace with an underlay: `eth0` (172.31.9.1/24) and its veth peer
 /// `eth1`, both up.
@@ -131,7 +80,7 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
 
     let dev = vxlan_device();
     let d = dev.clone();
-    let (created, fixes) = ns.inside(move || -> Result<_> {
+    let (created, fixes) = ns.within(move || -> Result<_> {
         let mut v = VxlanNetlink::open()?;
         let parent = v.link_index("eth0")?.context("eth0")?;
         assert_eq!(v.get("vxlan.calico")?, None);
@@ -164,7 +113,7 @@ fn vxlan_device_routes_neighbours_and_fdb_round_trip() -> Result<()> {
 
     // Routes of every shape we write, neighbours and FDB: written, then read
     // back equal (so a restart writes nothing).
-    let (read_back, written, second) = ns.inside(|| -> Result<_> {
+    let (read_back, written, second) = ns.within(|| -> Result<_> {
         let mut r = RouteNetlink::open()?;
         let links = r.links()?;
         let idx = |n: &str| links.iter().find(|l| l.name == n).map(|l| l.index);
@@ -340,7 +289,7 @@ fn ip_rules_round_trip_and_look_up_their_table() -> Result<()> {
             table: 1000,
         },
     ];
-    let (read, after_delete) = ns.inside(move || -> Result<_> {
+    let (read, after_delete) = ns.within(move || -> Result<_> {
         let mut s = RuleNetlink::open()?;
         for r in &rules {
             s.add(r)?;

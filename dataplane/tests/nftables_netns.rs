@@ -6,62 +6,18 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+mod common;
+
+use anyhow::{Context, Result};
+use common::{Netns, privileged};
 use dphandler_dataplane::backends::nftables::intervals;
 use dphandler_dataplane::backends::nftables::netlink::{NftError, NftNetlink};
 use dphandler_dataplane::backends::nftables::ops::{Family, Key, KeyType, Op};
 
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Result<Self> {
-        let name = format!("dph-{tag}-{}", std::process::id());
-        let st = Command::new("ip").args(["netns", "add", &name]).status()?;
-        if !st.success() {
-            bail!("ip netns add {name}");
-        }
-        Ok(Self(name))
-    }
-
-    fn nft(&self, args: &[&str]) -> Result<String> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.0, "nft"])
-            .args(args)
-            .output()?;
-        if !out.status.success() {
-            bail!("nft {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(String::from_utf8(out.stdout)?)
-    }
-
-    /// Runs `f` on a thread inside the namespace (the socket is opened
-    /// there and stays in it).
-    fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let file = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("netns");
-        std::thread::spawn(move || {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            f()
-        })
-        .join()
-        .expect("thread")
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn root() -> bool {
-    if nix::unistd::Uid::effective().is_root() {
-        return true;
-    }
-    assert!(std::env::var_os("CI").is_none(), "CI runs this as root");
-    eprintln!("skipped: needs root");
-    false
+/// `nft <args>` inside the namespace.
+fn nft(ns: &Netns, args: &[&str]) -> Result<String> {
+    ns.exec(&[&["nft"][..], args].concat())
 }
 
 fn ips(v: &[&str]) -> Vec<Key> {
@@ -72,29 +28,35 @@ fn ips(v: &[&str]) -> Vec<Key> {
 
 #[test]
 fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
-    if !root() {
+    if !privileged() {
         return Ok(());
     }
     let ns = Netns::new("nftnl")?;
     // Another agent's table, which must stay as it is.
-    ns.nft(&["add", "table", "ip", "kube-proxy"])?;
-    ns.nft(&[
-        "add",
-        "set",
-        "ip",
-        "kube-proxy",
-        "ours",
-        "{ type ipv4_addr; }",
-    ])?;
-    ns.nft(&[
-        "add",
-        "element",
-        "ip",
-        "kube-proxy",
-        "ours",
-        "{ 192.0.2.1 }",
-    ])?;
-    let foreign = ns.nft(&["list", "table", "ip", "kube-proxy"])?;
+    nft(&ns, &["add", "table", "ip", "kube-proxy"])?;
+    nft(
+        &ns,
+        &[
+            "add",
+            "set",
+            "ip",
+            "kube-proxy",
+            "ours",
+            "{ type ipv4_addr; }",
+        ],
+    )?;
+    nft(
+        &ns,
+        &[
+            "add",
+            "element",
+            "ip",
+            "kube-proxy",
+            "ours",
+            "{ 192.0.2.1 }",
+        ],
+    )?;
+    let foreign = nft(&ns, &["list", "table", "ip", "kube-proxy"])?;
 
     let result = ns.within(|| -> Result<()> {
         let mut nl = NftNetlink::open()?;
@@ -228,7 +190,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
     result?;
 
     // The kernel's own tool sees the same.
-    let listed = ns.nft(&["list", "table", "ip", "dph-s0"])?;
+    let listed = nft(&ns, &["list", "table", "ip", "dph-s0"])?;
     assert!(listed.contains("type ipv4_addr"), "{listed}");
     for a in ["10.0.0.2", "10.0.0.3", "10.0.0.4"] {
         assert!(listed.contains(a), "{a} in {listed}");
@@ -238,7 +200,7 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
         "{listed}"
     );
     assert_eq!(
-        ns.nft(&["list", "table", "ip", "kube-proxy"])?,
+        nft(&ns, &["list", "table", "ip", "kube-proxy"])?,
         foreign,
         "the foreign table"
     );
@@ -264,13 +226,13 @@ fn tables_sets_and_elements_commit_whole_and_read_back() -> Result<()> {
         assert!(!nl.tables(Family::Ip)?.contains(&"dph-s0".to_string()));
         Ok(())
     })?;
-    assert_eq!(ns.nft(&["list", "table", "ip", "kube-proxy"])?, foreign);
+    assert_eq!(nft(&ns, &["list", "table", "ip", "kube-proxy"])?, foreign);
     Ok(())
 }
 
 #[test]
 fn a_large_delta_is_one_commit() -> Result<()> {
-    if !root() {
+    if !privileged() {
         return Ok(());
     }
     let ns = Netns::new("nftbig")?;
@@ -318,7 +280,7 @@ fn a_large_delta_is_one_commit() -> Result<()> {
 
 #[test]
 fn nets_are_merged_ranges_and_change_by_difference() -> Result<()> {
-    if !root() {
+    if !privileged() {
         return Ok(());
     }
     let ns = Netns::new("nftiv")?;
@@ -375,25 +337,12 @@ fn nets_are_merged_ranges_and_change_by_difference() -> Result<()> {
         assert_eq!(nl.ranges(Family::Ip, &table, &set)?, s2);
         Ok(())
     })?;
-    let listed = ns.nft(&["list", "table", "ip", "dph-iv"])?;
+    let listed = nft(&ns, &["list", "table", "ip", "dph-iv"])?;
     assert!(listed.contains("flags interval"), "{listed}");
     for want in ["10.0.0.0/24", "10.1.0.0/16", "192.0.2.0/25"] {
         assert!(listed.contains(want), "{want} in {listed}");
     }
     assert!(!listed.contains("255.255.255.0"), "{listed}");
-    Ok(())
-}
-
-/// Runs `ip -n <ns> <args>`.
-fn ip(ns: &Netns, args: &[&str]) -> Result<()> {
-    let st = Command::new("ip")
-        .arg("-n")
-        .arg(&ns.0)
-        .args(args)
-        .status()?;
-    if !st.success() {
-        bail!("ip -n {} {args:?}", ns.0);
-    }
     Ok(())
 }
 
@@ -403,22 +352,13 @@ fn ip(ns: &Netns, args: &[&str]) -> Result<()> {
 fn host_and_client(tag: &str, iface: &str, net: &str) -> Result<(Netns, Netns)> {
     let host = Netns::new(&format!("{tag}-h"))?;
     let client = Netns::new(&format!("{tag}-c"))?;
-    ip(
-        &host,
-        &[
-            "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &client.0,
-        ],
-    )?;
-    ip(
-        &host,
-        &["addr", "add", &format!("{net}.1/24"), "dev", iface],
-    )?;
-    ip(&host, &["link", "set", iface, "up"])?;
-    ip(
-        &client,
-        &["addr", "add", &format!("{net}.2/24"), "dev", "eth0"],
-    )?;
-    ip(&client, &["link", "set", "eth0", "up"])?;
+    host.ip(&[
+        "link", "add", iface, "type", "veth", "peer", "name", "eth0", "netns", &client.0,
+    ])?;
+    host.ip(&["addr", "add", &format!("{net}.1/24"), "dev", iface])?;
+    host.ip(&["link", "set", iface, "up"])?;
+    client.ip(&["addr", "add", &format!("{net}.2/24"), "dev", "eth0"])?;
+    client.ip(&["link", "set", "eth0", "up"])?;
     let addr = format!("{net}.1:8080");
     let listener = host.within(move || std::net::TcpListener::bind(addr))?;
     std::thread::spawn(move || {
@@ -441,7 +381,7 @@ fn connects(client: &Netns, to: &str) -> bool {
 fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
     use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
-    if !root() {
+    if !privileged() {
         return Ok(());
     }
     // A host and a client joined by a veth; the server on the host.
@@ -565,7 +505,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     ];
     host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&rules)?) })?;
     assert!(reaches(), "nobody blocked yet");
-    let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
+    let listed = nft(&host, &["list", "table", "ip", "dph-pk"])?;
     for want in [
         "hook input priority filter; policy accept;",
         "iifname \"fw*\" jump mark-it comment \"to the marking chain\"",
@@ -607,7 +547,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     assert!(reaches(), "unblocked");
     // Both counters counted: the marking chain ran (jump, set, return), and
     // the drop rule saw the blocked client's packets.
-    let listed = host.nft(&["list", "table", "ip", "dph-pk"])?;
+    let listed = nft(&host, &["list", "table", "ip", "dph-pk"])?;
     let packets = |comment: &str| -> u64 {
         let line = listed
             .lines()
@@ -683,16 +623,19 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
         .find(|r| r.1 == "blocked sources")
         .context("rule")?
         .2;
-    host.nft(&[
-        "delete",
-        "rule",
-        "ip",
-        "dph-pk",
-        "input",
-        "handle",
-        &blocked.to_string(),
-    ])?;
-    host.nft(&["add", "rule", "ip", "dph-pk", "input", "counter"])?;
+    nft(
+        &host,
+        &[
+            "delete",
+            "rule",
+            "ip",
+            "dph-pk",
+            "input",
+            "handle",
+            &blocked.to_string(),
+        ],
+    )?;
+    nft(&host, &["add", "rule", "ip", "dph-pk", "input", "counter"])?;
     let rules = rules_now()?;
     assert!(!rules.iter().any(|r| r.1 == "blocked sources"), "{rules:?}");
     assert!(
@@ -718,7 +661,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
             chain: "input".into(),
         }])?)
     })?;
-    let listed = host.nft(&["list", "chain", "ip", "dph-pk", "input"])?;
+    let listed = nft(&host, &["list", "chain", "ip", "dph-pk", "input"])?;
     assert!(!listed.contains("drop"), "{listed}");
     Ok(())
 }
@@ -727,7 +670,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
 fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     use dphandler_dataplane::backends::nftables::expr::{Expr, Meta, Verdict};
     use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
-    if !root() {
+    if !privileged() {
         return Ok(());
     }
     let (host, client) = host_and_client("nftvm", "wl1", "10.78.0")?;
@@ -800,7 +743,7 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     // Its verdict changed in one commit: the old entry out, the new in.
     commit(vec![drop_entry(), entry(Verdict::Accept)])?;
     assert!(reaches(), "wl1 accepted by the map itself");
-    let listed = host.nft(&["list", "table", "ip", "dph-vm"])?;
+    let listed = nft(&host, &["list", "table", "ip", "dph-vm"])?;
     for want in [
         "type ifname : verdict",
         "\"wl1\" : accept",
