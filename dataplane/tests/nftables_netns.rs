@@ -11,9 +11,10 @@ mod common;
 
 use anyhow::{Context, Result};
 use common::{Netns, privileged};
+use dphandler_dataplane::backends::nftables::expr::Expr;
 use dphandler_dataplane::backends::nftables::intervals;
 use dphandler_dataplane::backends::nftables::netlink::{NftError, NftNetlink};
-use dphandler_dataplane::backends::nftables::ops::{Family, Key, KeyType, Op};
+use dphandler_dataplane::backends::nftables::ops::{BaseChain, Family, Hook, Key, KeyType, Op};
 
 /// `nft <args>` inside the namespace.
 fn nft(ns: &Netns, args: &[&str]) -> Result<String> {
@@ -346,6 +347,32 @@ fn nets_are_merged_ranges_and_change_by_difference() -> Result<()> {
     Ok(())
 }
 
+/// A rule appended to `chain` of the `ip` table `table`.
+fn rule(table: &str, chain: &str, exprs: Vec<Expr>, comment: &str) -> Op {
+    Op::AddRule {
+        family: Family::Ip,
+        table: table.into(),
+        chain: chain.into(),
+        exprs,
+        comment: comment.into(),
+    }
+}
+
+/// A chain of the `ip` table `table`: a regular one, or with `input` the
+/// base chain on the input hook at filter priority, accepting by default.
+fn chain(table: &str, name: &str, input: bool) -> Op {
+    Op::AddChain {
+        family: Family::Ip,
+        table: table.into(),
+        chain: name.into(),
+        base: input.then_some(BaseChain {
+            hook: Hook::Input,
+            priority: 0,
+            accept_by_default: true,
+        }),
+    }
+}
+
 /// A host and a client namespace joined by a veth (`iface` on the host,
 /// `<net>.1`; `eth0` on the client, `<net>.2`), a TCP server on the host's
 /// port 8080 that takes every connection.
@@ -379,8 +406,7 @@ fn connects(client: &Netns, to: &str) -> bool {
 
 #[test]
 fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
-    use dphandler_dataplane::backends::nftables::expr::{self, Expr, Meta, Verdict};
-    use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
+    use dphandler_dataplane::backends::nftables::expr::{self, Meta, Verdict};
     if !privileged() {
         return Ok(());
     }
@@ -416,51 +442,34 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
             set: t("np"),
             elements: vec![Key::AddrProtoPort("10.77.0.1".parse().unwrap(), 6, 8080)],
         },
-        Op::AddChain {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("mark-it"),
-            base: None,
-        },
-        Op::AddChain {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            base: Some(BaseChain {
-                hook: Hook::Input,
-                priority: 0,
-                accept_by_default: true,
-            }),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("mark-it"),
-            exprs: vec![
+        chain(&table, "mark-it", false),
+        chain(&table, "input", true),
+        rule(
+            &table,
+            "mark-it",
+            vec![
                 Expr::SetMark {
                     mask: 0x1_0000,
                     value: 0x1_0000,
                 },
                 Expr::Verdict(Verdict::Return),
             ],
-            comment: t("mark what came in on fw0"),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            exprs: [
+            "mark what came in on fw0",
+        ),
+        rule(
+            &table,
+            "input",
+            [
                 &expr::iface(Meta::IifName, "fw+")[..],
                 &[Expr::Verdict(Verdict::Jump(t("mark-it")))],
             ]
             .concat(),
-            comment: t("to the marking chain"),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            exprs: vec![
+            "to the marking chain",
+        ),
+        rule(
+            &table,
+            "input",
+            vec![
                 Expr::LookupConcat {
                     fields: vec![
                         expr::addr(false, false),
@@ -472,26 +481,24 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
                 },
                 Expr::Counter,
             ],
-            comment: t("named port"),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            exprs: vec![
+            "named port",
+        ),
+        rule(
+            &table,
+            "input",
+            vec![
                 Expr::MarkIs {
                     mask: 0x1_0000,
                     value: 0x1_0000,
                 },
                 Expr::Counter,
             ],
-            comment: t("marked"),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            exprs: vec![
+            "marked",
+        ),
+        rule(
+            &table,
+            "input",
+            vec![
                 expr::addr(false, true),
                 Expr::Lookup {
                     set: t("blocked"),
@@ -500,8 +507,8 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
                 Expr::Counter,
                 Expr::Verdict(Verdict::Drop),
             ],
-            comment: t("blocked sources"),
-        },
+            "blocked sources",
+        ),
     ];
     host.within(move || -> Result<()> { Ok(NftNetlink::open()?.commit(&rules)?) })?;
     assert!(reaches(), "nobody blocked yet");
@@ -668,8 +675,7 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
 
 #[test]
 fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
-    use dphandler_dataplane::backends::nftables::expr::{Expr, Meta, Verdict};
-    use dphandler_dataplane::backends::nftables::ops::{BaseChain, Hook};
+    use dphandler_dataplane::backends::nftables::expr::{Meta, Verdict};
     if !privileged() {
         return Ok(());
     }
@@ -691,39 +697,23 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
             key: KeyType::IfName,
         },
         // The endpoint's chain: it refuses everything.
-        Op::AddChain {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("ep-wl1"),
-            base: None,
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("ep-wl1"),
-            exprs: vec![Expr::Counter, Expr::Verdict(Verdict::Drop)],
-            comment: t("endpoint wl1"),
-        },
-        Op::AddChain {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            base: Some(BaseChain {
-                hook: Hook::Input,
-                priority: 0,
-                accept_by_default: true,
-            }),
-        },
-        Op::AddRule {
-            family: Family::Ip,
-            table: table.clone(),
-            chain: t("input"),
-            exprs: vec![
+        chain(&table, "ep-wl1", false),
+        rule(
+            &table,
+            "ep-wl1",
+            vec![Expr::Counter, Expr::Verdict(Verdict::Drop)],
+            "endpoint wl1",
+        ),
+        chain(&table, "input", true),
+        rule(
+            &table,
+            "input",
+            vec![
                 Expr::Meta(Meta::IifName),
                 Expr::VerdictMap { map: map.clone() },
             ],
-            comment: t("dispatch"),
-        },
+            "dispatch",
+        ),
     ])?;
     assert!(reaches(), "no entry for wl1: on past the map");
     let entry = |v: Verdict| Op::AddVerdicts {
