@@ -291,6 +291,13 @@ pub struct Metrics {
     /// Our chains and rules, by table, as last read or written.
     pub iptables_chains: Family<TableLabel, Gauge>,
     pub iptables_rules: Family<TableLabel, Gauge>,
+    /// nftables commits that changed something, by IP version
+    /// (`--dataplane nftables`).
+    pub nftables_commits: Family<VersionLabel, Counter>,
+    /// Chains (base chains too) and rules in our nftables tables, by
+    /// table (`dph-filter`, …), as last read or written.
+    pub nftables_chains: Family<TableLabel, Gauge>,
+    pub nftables_rules: Family<TableLabel, Gauge>,
     /// `ipset` calls (save and restore), failures and lines fed in.
     pub ipset: ToolCounters,
     /// Our IP sets, by IP version.
@@ -324,6 +331,9 @@ impl Default for Metrics {
             iptables_lines: Family::default(),
             iptables_chains: Family::default(),
             iptables_rules: Family::default(),
+            nftables_commits: Family::default(),
+            nftables_chains: Family::default(),
+            nftables_rules: Family::default(),
             ipset: ToolCounters::default(),
             ipsets: Family::default(),
             routes: Family::default(),
@@ -436,6 +446,21 @@ impl Metrics {
             "iptables_rules",
             "Our rules in the table, as last read or written",
             self.iptables_rules.clone(),
+        );
+        registry.register(
+            "nftables_commits",
+            "nftables commits that changed something",
+            self.nftables_commits.clone(),
+        );
+        registry.register(
+            "nftables_chains",
+            "Chains in our nftables table, as last read or written",
+            self.nftables_chains.clone(),
+        );
+        registry.register(
+            "nftables_rules",
+            "Rules in our nftables table, as last read or written",
+            self.nftables_rules.clone(),
         );
         registry.register("ipset_calls", "ipset runs", self.ipset.calls.clone());
         registry.register(

@@ -369,6 +369,7 @@ fn chain(table: &str, name: &str, input: bool) -> Op {
             hook: Hook::Input,
             priority: 0,
             accept_by_default: true,
+            nat: false,
         }),
     }
 }

@@ -380,7 +380,94 @@ async fn show(
     for (kind, n) in kinds {
         println!("  {kind:<22}{n}");
     }
-    // What is in the sandbox's kernel now, read with the kernel's own tool.
+    // What is in the sandbox's kernel now, read with the kernel's own tool
+    // (the server inherited the demo's DPH_DATAPLANE).
+    if std::env::var("DPH_DATAPLANE").is_ok_and(|d| d == "nftables") {
+        show_nftables(ns)?;
+    } else {
+        show_iptables(ns)?;
+    }
+    show_routes(ns)?;
+    println!("status details (dphctl status shows the same):");
+    let mut details: Vec<_> = st.details.iter().collect();
+    details.sort();
+    for (k, v) in details {
+        println!("  {k:<32}{v}");
+    }
+    println!(
+        "(the workload's interface does not exist in the sandbox, so no route to it is \
+         programmed)"
+    );
+    Ok(())
+}
+
+/// The sets of an `nft list table` listing: (name, type, members).
+fn nft_sets(listing: &str) -> Vec<(String, String, usize)> {
+    let mut sets: Vec<(String, String, usize)> = Vec::new();
+    let mut elements: Option<String> = None;
+    let mut in_set = false;
+    for line in listing.lines().map(str::trim) {
+        if let Some(e) = &mut elements {
+            e.push_str(line);
+        } else if let Some(name) = line.strip_prefix("set ").and_then(|l| l.strip_suffix(" {")) {
+            sets.push((name.to_string(), String::new(), 0));
+            in_set = true;
+        } else if line == "}" {
+            in_set = false;
+        } else if !in_set {
+            continue;
+        } else if let Some(ty) = line.strip_prefix("type ") {
+            if let Some(s) = sets.last_mut() {
+                s.1 = ty.to_string();
+            }
+        } else if line == "flags interval" {
+            if let Some(s) = sets.last_mut() {
+                s.1.push_str(" (interval)");
+            }
+        } else if let Some(rest) = line.strip_prefix("elements = {") {
+            elements = Some(rest.to_string());
+        }
+        if let Some(e) = elements.take_if(|e| e.ends_with('}'))
+            && let Some(s) = sets.last_mut()
+        {
+            s.2 = e
+                .trim_end_matches('}')
+                .split(',')
+                .filter(|m| !m.trim().is_empty())
+                .count();
+        }
+    }
+    sets
+}
+
+fn show_nftables(ns: &str) -> anyhow::Result<()> {
+    for family in ["ip", "ip6"] {
+        let list = |table: &str| -> anyhow::Result<String> {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "nft", "list", "table", family, table])
+                .output()
+                .context("running nft in the sandbox")?;
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        };
+        let filter = list("dph-filter")?;
+        println!("IP sets in the sandbox's kernel (nft list table {family} dph-filter):");
+        for (name, ty, n) in nft_sets(&filter) {
+            if !name.starts_with("ports-") {
+                println!("  {name:<28}{n:>3} members  {ty}");
+            }
+        }
+        println!("nft list table {family} dph-filter, our chains and rules:");
+        for l in filter
+            .lines()
+            .filter(|l| l.trim_start().starts_with("chain ") || l.contains("comment \"dph:"))
+        {
+            println!("  {}", l.trim());
+        }
+    }
+    Ok(())
+}
+
+fn show_iptables(ns: &str) -> anyhow::Result<()> {
     let save = Command::new("ip")
         .args(["netns", "exec", ns, "ipset", "save"])
         .output()
@@ -414,6 +501,10 @@ async fn show(
             println!("  {l}");
         }
     }
+    Ok(())
+}
+
+fn show_routes(ns: &str) -> anyhow::Result<()> {
     println!("routes between nodes in the sandbox's kernel:");
     for (what, args) in [
         ("VXLAN device", &["-d", "link", "show", "vxlan.calico"][..]),
@@ -440,22 +531,24 @@ async fn show(
     {
         println!("    {l}");
     }
-    println!("status details (dphctl status shows the same):");
-    let mut details: Vec<_> = st.details.iter().collect();
-    details.sort();
-    for (k, v) in details {
-        println!("  {k:<32}{v}");
-    }
-    println!(
-        "(the workload's interface does not exist in the sandbox, so no route to it is \
-         programmed)"
-    );
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nft_listings_give_each_sets_type_and_size() {
+        let listing = "table ip dph-filter {\n\tchain c {\n\t\ttype filter hook input priority filter;\n\t}\n\tset dph40a {\n\t\ttype ipv4_addr\n\t\telements = { 10.0.0.1, 10.0.0.2,\n\t\t\t     10.0.0.3 }\n\t}\n\n\tset dph40n {\n\t\ttype ipv4_addr\n\t\tflags interval\n\t}\n}\n";
+        assert_eq!(
+            nft_sets(listing),
+            vec![
+                ("dph40a".into(), "ipv4_addr".into(), 3),
+                ("dph40n".into(), "ipv4_addr (interval)".into(), 0)
+            ]
+        );
+    }
 
     #[test]
     fn bundled_scenario_parses_and_ends_in_sync() {

@@ -6,18 +6,20 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use dphandler_dataplane::backends::DesiredKernel;
+use dphandler_dataplane::backends::cleanup::Cleanup;
 use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
 use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
+use dphandler_dataplane::backends::nftables::Dataplane;
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
 use dphandler_dataplane::backends::rules::{Rules, netlink::RuleNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::wireguard::{Wireguard, device::WgNetlink, keys::KeyStore};
 use dphandler_dataplane::backends::xdp::{BpfSeam, Xdp};
+use dphandler_dataplane::backends::{Backend, DesiredKernel};
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
@@ -138,6 +140,12 @@ struct ServeArgs {
     /// Seconds between re-reads of our iptables tables (0: never).
     #[arg(long, env = "DPH_IPTABLES_REFRESH_SECONDS", default_value_t = 180.0)]
     iptables_refresh_seconds: f64,
+    /// What programs policy: `iptables` (iptables-restore and ipset; the
+    /// flavour below), `nftables` (our own nf_tables tables and sets over
+    /// netlink), or `auto` (iptables, until the nftables dataplane has
+    /// passed everything the iptables one does).
+    #[arg(long, env = "DPH_DATAPLANE", default_value = "auto", value_parser = ["auto", "iptables", "nftables"])]
+    dataplane: String,
     /// iptables flavour: auto (detect which one the host uses), nft or legacy.
     #[arg(long, env = "DPH_IPTABLES_BACKEND", default_value = "auto")]
     iptables_backend: FlavorChoice,
@@ -533,6 +541,11 @@ async fn serve(
     info!(?flavor, "iptables flavour");
     let metrics = Arc::new(dphandler_dataplane::metrics::Metrics::default());
     let mut kernel = DesiredKernel::default();
+    let nftables = args.dataplane == "nftables";
+    info!(
+        dataplane = if nftables { "nftables" } else { "iptables" },
+        "policy dataplane"
+    );
     for v in [IpVersion::V4, IpVersion::V6] {
         if v == IpVersion::V6 && !args.ipv6 {
             continue;
@@ -542,30 +555,67 @@ async fn serve(
             names.clone(),
             Box::new(IpsetTool::default().with_metrics(metrics.ipset.clone())),
         );
-        if !args.dry_run {
-            sets.prefetch();
-        }
-        kernel.ipsets.push(sets);
         // One object per table: raw, mangle and nat hold nothing of ours
         // yet (policy rendering fills them); they are read, never written
         // while empty.
-        for table in ["raw", "mangle", "nat", "filter"] {
-            let mut t = Table::new(
-                table,
-                v,
-                Ownership::new(&args.prefix),
-                args.chain_insert_mode,
-                Box::new(
-                    IptablesTool::new(flavor, v, Vec::new()).with_metrics(metrics.iptables_tool(v)),
-                ),
+        let mut tables: Vec<Table> = ["raw", "mangle", "nat", "filter"]
+            .into_iter()
+            .map(|table| {
+                Table::new(
+                    table,
+                    v,
+                    Ownership::new(&args.prefix),
+                    args.chain_insert_mode,
+                    Box::new(
+                        IptablesTool::new(flavor, v, Vec::new())
+                            .with_metrics(metrics.iptables_tool(v)),
+                    ),
+                )
+            })
+            .collect();
+        let (this, other) = match v {
+            IpVersion::V4 => ("nftables-v4", "iptables-v4"),
+            IpVersion::V6 => ("nftables-v6", "iptables-v6"),
+        };
+        if nftables {
+            kernel.nftables.push(
+                Dataplane::open(v, &args.prefix, names.clone())
+                    .context("opening the nftables netlink socket")?,
             );
+            // An earlier run's iptables chains, hooks and sets go once the
+            // nftables tables are in (tables before the sets they use).
+            if !args.dry_run {
+                let mut old: Vec<Box<dyn Backend>> = Vec::new();
+                for t in tables {
+                    old.push(Box::new(t));
+                }
+                // Nothing is desired of it: no manager will send the sets.
+                sets.start_full();
+                old.push(Box::new(sets));
+                kernel.others.push(Box::new(Cleanup::new(other, old)));
+            }
+            continue;
+        }
+        if !args.dry_run {
+            sets.prefetch();
             // Read while the calc graph sends its snapshot (seconds at
             // 300,000 rules), not in the first apply.
-            if !args.dry_run {
+            for t in &mut tables {
                 t.prefetch();
             }
-            kernel.tables.push(t);
+            // An earlier run's nftables tables go once the iptables ones
+            // are in.
+            match Dataplane::open(v, &args.prefix, names.clone()) {
+                Ok(d) => kernel
+                    .others
+                    .push(Box::new(Cleanup::new(this, vec![Box::new(d)]))),
+                Err(e) => {
+                    warn!(error = %e, "no nf_tables netlink: no nftables leftovers to look for")
+                }
+            }
         }
+        kernel.ipsets.push(sets);
+        kernel.tables.extend(tables);
     }
     if matches!(args.route_protocol, 0..=4) {
         // 0-4 are the kernel's own (unspec, redirect, kernel, boot, static):

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 pub mod cluster;
+pub mod kernel;
 pub mod lab;
 pub mod tls;
 

@@ -15,6 +15,7 @@ use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::from_dataplane::Payload as FromPayload;
 use dphandler_proto::v1::{self, status_update::Kind};
 use dphandler_tests::cluster::*;
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{Capture, Probe, probe, scrape, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 use tonic::Streaming;
@@ -330,11 +331,12 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
             to + 1
         );
     }
-    let input = stdout(&nodes[1].ns, "iptables", &["-S", "dph-INPUT"])?;
+    let input = kernel::our_chain(&nodes[1].ns, false, "filter", "dph-INPUT")?;
     assert!(
-        input
-            .lines()
-            .any(|l| l.contains("--dport 51820 -m addrtype --dst-type LOCAL -j ACCEPT")),
+        input.lines().any(|l| l.contains(kernel::spelled(
+            "--dport 51820 -m addrtype --dst-type LOCAL -j ACCEPT",
+            "udp dport 51820 fib daddr type local counter"
+        )) && l.contains(kernel::spelled("ACCEPT", "accept"))),
         "{input}"
     );
     // The handshake is in status too.

@@ -4,6 +4,7 @@
 use std::process::Command;
 
 use anyhow::Result;
+use dphandler_tests::kernel;
 use dphandler_tests::{bin, privileged};
 
 /// The namespace the demo named in its output is gone.
@@ -44,7 +45,10 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
     );
     assert!(stdout.contains("workload_endpoint     1"), "{stdout}");
     assert!(
-        stdout.contains("dph40s:frontend-pods        hash:ip       2 members"),
+        stdout.contains(kernel::spelled(
+            "dph40s:frontend-pods        hash:ip       2 members",
+            "dph40s:frontend-pods          2 members  ipv4_addr"
+        )),
         "{stdout}"
     );
     // Pod traffic between nodes: the VXLAN device, the other node's block
@@ -90,7 +94,10 @@ fn demo_as_felix_goes_through_the_felix_driver() -> Result<()> {
         "{stdout}"
     );
     assert!(
-        stdout.contains("dph40s:frontend-pods        hash:ip       2 members"),
+        stdout.contains(kernel::spelled(
+            "dph40s:frontend-pods        hash:ip       2 members",
+            "dph40s:frontend-pods          2 members  ipv4_addr"
+        )),
         "{stdout}"
     );
     assert!(stdout.contains("last programmed sequence 16"), "{stdout}");

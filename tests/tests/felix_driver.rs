@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use command_fds::{CommandFdExt, FdMapping};
 use dphandler_proto::felix::{self, from_dataplane::Payload as From};
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{self, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, bin, privileged, tempdir};
 use prost::Message;
@@ -342,7 +343,7 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     assert!(
         blocked,
         "DefaultEndpointToHostAction Drop reached the kernel: {}",
-        String::from_utf8_lossy(&host.run("iptables", &["-S", "dph-INPUT"])?.stdout)
+        kernel::our_chain(&host, false, "filter", "dph-INPUT")?
     );
     assert!(tcp(&w1, "10.66.0.3", 80), "workload to workload unchanged");
     // A key that needs a restart: reported, and kept for the next start.
@@ -419,9 +420,15 @@ async fn a_felix_drives_the_daemon_through_the_driver() -> Result<()> {
     felix.until(20, "DataplaneInSync", |m| {
         matches!(m.payload, Some(From::DataplaneInSync(_)))
     })?;
-    let input = String::from_utf8(host.run("iptables", &["-S", "dph-INPUT"])?.stdout)?;
-    assert!(input.contains("-i tap+"), "{input}");
-    assert!(!input.contains("-i cali+"), "{input}");
+    let input = kernel::our_chain(&host, false, "filter", "dph-INPUT")?;
+    assert!(
+        input.contains(kernel::spelled("-i tap+", "iifname \"tap*\"")),
+        "{input}"
+    );
+    assert!(
+        !input.contains(kernel::spelled("-i cali+", "iifname \"cali*\"")),
+        "{input}"
+    );
     let d_ = details(&socket).await?;
     assert!(
         !d_.keys().any(|k| k.starts_with("config.restart_needed")),

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{serve, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
@@ -136,11 +137,7 @@ fn tier(key: &str, ingress: &[&str], egress: &[&str]) -> String {
 }
 
 fn own_rules(ns: &Netns, table: &str) -> Result<usize> {
-    let out = ns.run("iptables-save", &["-t", table])?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains("dph"))
-        .count())
+    kernel::our_rule_count(ns, false, table)
 }
 
 /// Untracked (raw), pre-DNAT (mangle) and forward policy, and the
@@ -194,8 +191,7 @@ async fn untracked_pre_dnat_forward_and_all_interfaces() -> Result<()> {
     send(&mut c, "inSync: {}\n".into()).await?;
     assert!(tcp(&out, "10.98.0.2:9001"), "forwarding works unpoliced");
     assert_eq!(own_rules(&host, "raw")?, 0);
-    let host_ips = host.run("ipset", &["list", "dph40this-host"])?;
-    let host_ips = String::from_utf8_lossy(&host_ips.stdout);
+    let host_ips = kernel::our_set(&host, false, "dph40this-host")?;
     for a in ["10.99.0.1", "10.98.0.1", "127.0.0.1"] {
         assert!(
             host_ips.contains(a),

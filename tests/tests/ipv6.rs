@@ -8,6 +8,7 @@
 //! stays inside the test's namespaces. Needs root.
 
 use anyhow::{Result, bail};
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{
     HOST_SIDE_LL, Probe, WorkloadSpec, forget_ipv6_neighbours, probe, serve, workload, yaml_msgs,
 };
@@ -22,6 +23,15 @@ const WL: [(&str, u8, &str, &str); 3] = [
 
 const PROBES: [Probe; 3] = [Probe::Tcp(80), Probe::Udp(53), Probe::Icmp];
 
+/// How nft prints ICMPv6 types 130, 131, 132, 133, 135 and 136.
+const ICMPV6_NAMES: [&str; 6] = [
+    "mld-listener-query",
+    "mld-listener-report",
+    "mld-listener-done",
+    "nd-router-solicit",
+    "nd-neighbor-solicit",
+    "nd-neighbor-advert",
+];
 const V4_FORWARD: &str = "net.ipv4.ip_forward";
 const V6_FORWARD: &str = "net.ipv6.conf.all.forwarding";
 const CT_ACCT: &str = "net.netfilter.nf_conntrack_acct";
@@ -216,21 +226,30 @@ async fn ipv6_policy_on_a_node_with_kernel_defaults() -> Result<()> {
         );
     }
     // The ICMPv6 exception, before the jump to the workloads' egress.
-    let save = host.run("ip6tables-save", &["-t", "filter"])?;
-    let save = String::from_utf8_lossy(&save.stdout);
-    let input: Vec<&str> = save
+    let chain = kernel::our_chain(host, true, "filter", "dph-INPUT")?;
+    let input: Vec<&str> = chain
         .lines()
-        .filter(|l| l.starts_with("-A dph-INPUT "))
+        .filter(|l| l.starts_with("-A dph-INPUT ") || l.contains("comment \"dph:"))
         .collect();
     for (i, t) in [130, 131, 132, 133, 135, 136].iter().enumerate() {
-        let want = format!("--icmpv6-type {t} ");
+        let (iface, want) = if kernel::nftables() {
+            ("iifname \"cali*\"", ICMPV6_NAMES[i].to_string())
+        } else {
+            ("-i cali+ -p ipv6-icmp", format!("--icmpv6-type {t} "))
+        };
         assert!(
-            input[i].contains("-i cali+ -p ipv6-icmp") && input[i].contains(&want),
+            input[i].contains(iface) && input[i].contains(&want),
             "dph-INPUT rule {i} is not the ICMPv6 type {t} accept:\n{}",
             input.join("\n")
         );
     }
-    assert!(input[6].contains("-j dph-from-wl-dispatch"), "{input:?}");
+    assert!(
+        input[6].contains(kernel::spelled(
+            "-j dph-from-wl-dispatch",
+            "jump dph-from-wl-dispatch"
+        )),
+        "{input:?}"
+    );
     // IPv6 neighbours are NDP's: no static one (the IPv4 ones are ours).
     let neigh = host.run("ip", &["-6", "neigh", "show", "nud", "permanent"])?;
     assert!(

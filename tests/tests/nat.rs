@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{self, WorkloadSpec, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
@@ -99,9 +100,11 @@ workloadEndpointUpdate:\n  id: {orchestratorId: k8s, workloadId: ns/w, endpointI
 
     // A masquerading pool: the workload goes out as the node.
     push(&mut c, yaml_msgs(10, &pool(true))).await?;
-    let nat =
-        String::from_utf8_lossy(&host.run("iptables-save", &["-t", "nat"])?.stdout).into_owned();
-    assert!(nat.contains("-j MASQUERADE"), "{nat}");
+    let nat = kernel::our_rules(&host, false, "nat")?;
+    assert!(
+        nat.contains(kernel::spelled("-j MASQUERADE", "masquerade")),
+        "{nat}"
+    );
     assert!(connect(), "masqueraded flow connects");
     assert_eq!(
         last_peer().as_deref(),
@@ -111,9 +114,8 @@ workloadEndpointUpdate:\n  id: {orchestratorId: k8s, workloadId: ns/w, endpointI
 
     // Masquerade off (and a route back): the workload's own address.
     push(&mut c, yaml_msgs(20, &pool(false))).await?;
-    let nat =
-        String::from_utf8_lossy(&host.run("iptables-save", &["-t", "nat"])?.stdout).into_owned();
-    assert!(!nat.contains("dph"), "nothing of ours left in nat: {nat}");
+    let nat = kernel::our_rules(&host, false, "nat")?;
+    assert!(nat.is_empty(), "nothing of ours left in nat: {nat}");
     out.run("ip", &["route", "add", "10.65.0.0/16", "via", "10.99.0.1"])?;
     assert!(connect());
     assert_eq!(last_peer().as_deref(), Some("10.65.0.2"), "not masqueraded");

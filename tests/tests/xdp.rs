@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use dphandler_bpf::Filter;
+use dphandler_tests::kernel;
 use dphandler_tests::lab::{Bpffs, in_ns, scrape, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
@@ -82,6 +83,21 @@ async fn details(d: &Daemon) -> Result<std::collections::HashMap<String, String>
 
 /// Packets counted by our raw-table rules that drop the set's members.
 fn raw_drops(host: &Netns) -> Result<u64> {
+    if kernel::nftables() {
+        // `ip saddr @dph40s:bad counter packets N bytes M drop`.
+        return Ok(kernel::our_rules(host, false, "raw")?
+            .lines()
+            .filter(|l| l.contains("@dph40") && l.contains(" drop"))
+            .filter_map(|l| {
+                l.split("counter packets ")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum());
+    }
     let out = stdout(host, "iptables-save", &["-c", "-t", "raw"])?;
     Ok(out
         .lines()

@@ -80,6 +80,7 @@ fn build(nl: &mut NftNetlink, chains: usize, per: usize) -> Result<()> {
             hook: Hook::Input,
             priority: 0,
             accept_by_default: true,
+            nat: false,
         }),
     };
     nl.commit(&[

@@ -7,6 +7,8 @@
 //! or speak netlink on their own socket); the loop runs them off the async
 //! runtime, concurrently within a phase.
 
+pub mod cleanup;
+pub mod desired;
 pub mod ipsets;
 pub mod iptables;
 pub mod netlink;
@@ -101,6 +103,14 @@ pub enum BackendError {
         context: String,
         #[source]
         source: rtnetlink::Error,
+    },
+    /// nf_tables refused a commit or a read (nothing of a refused commit
+    /// applied). Retried after a fresh read.
+    #[error("{backend}: {source}")]
+    Nftables {
+        backend: &'static str,
+        #[source]
+        source: nftables::netlink::NftError,
     },
     /// A failure scripted by a recording backend (tests only).
     #[error("{backend}: scripted failure on call {call}")]
@@ -238,8 +248,11 @@ pub trait Backend: Send {
 pub struct DesiredKernel {
     /// The IP sets of each family the dataplane programs (v4, then v6).
     pub ipsets: Vec<ipsets::IpSets>,
-    /// The iptables tables, per IP version.
+    /// The iptables tables, per IP version (`--dataplane iptables`).
     pub tables: Vec<iptables::Table>,
+    /// The nftables dataplane, per IP version (`--dataplane nftables`):
+    /// its own tables and sets.
+    pub nftables: Vec<nftables::Dataplane>,
     /// VXLAN devices (before the routes through them).
     pub vxlan: Option<vxlan::Vxlan>,
     /// WireGuard devices and their peers.
@@ -266,6 +279,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .iter()
                     .map(|b| b.name())
                     .chain(self.tables.iter().map(|b| b.name()))
+                    .chain(self.nftables.iter().map(|b| b.name()))
                     .chain(self.vxlan.iter().map(|b| b.name()))
                     .chain(self.wireguard.iter().map(|b| b.name()))
                     .chain(self.xdp.iter().map(|b| b.name()))
@@ -285,6 +299,7 @@ impl DesiredKernel {
             .iter_mut()
             .map(|b| b as &mut dyn Backend)
             .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.nftables.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.wireguard.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.xdp.iter_mut().map(|b| b as &mut dyn Backend))
@@ -301,6 +316,7 @@ impl DesiredKernel {
     pub fn is_empty(&self) -> bool {
         self.ipsets.is_empty()
             && self.tables.is_empty()
+            && self.nftables.is_empty()
             && self.vxlan.is_none()
             && self.wireguard.is_none()
             && self.xdp.is_none()
@@ -308,6 +324,23 @@ impl DesiredKernel {
             && self.rules.is_none()
             && self.sysctls.is_none()
             && self.others.is_empty()
+    }
+
+    /// The tables of chains the managers write into, whichever dataplane
+    /// programs them.
+    pub fn rule_tables_mut(&mut self) -> impl Iterator<Item = &mut dyn desired::RuleTable> {
+        self.tables
+            .iter_mut()
+            .map(|t| t as &mut dyn desired::RuleTable)
+            .chain(self.nftables.iter_mut().flat_map(|d| d.rule_tables_mut()))
+    }
+
+    /// The IP sets of each IP version, whichever dataplane programs them.
+    pub fn set_stores_mut(&mut self) -> impl Iterator<Item = &mut dyn desired::SetStore> {
+        self.ipsets
+            .iter_mut()
+            .map(|s| s as &mut dyn desired::SetStore)
+            .chain(self.nftables.iter_mut().map(|d| d.set_store_mut()))
     }
 
     pub fn any_dirty(&mut self) -> bool {

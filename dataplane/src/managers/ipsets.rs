@@ -389,7 +389,7 @@ impl Manager for IpSetsManager {
     }
 
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
-        for b in &mut kernel.ipsets {
+        for b in kernel.set_stores_mut() {
             let v = b.version();
             if b.needs_full() {
                 b.start_full();
@@ -409,8 +409,8 @@ impl Manager for IpSetsManager {
                     Change::Delta { add, del } => {
                         b.delta(
                             &name,
-                            add.iter().filter(|m| m.version() == v).copied(),
-                            del.iter().filter(|m| m.version() == v).copied(),
+                            &mut add.iter().filter(|m| m.version() == v).copied(),
+                            &mut del.iter().filter(|m| m.version() == v).copied(),
                         );
                     }
                     Change::Removed => b.remove(&name),

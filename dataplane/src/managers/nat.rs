@@ -68,7 +68,7 @@ impl Manager for NatManager {
         }
         let post = format!("{}-POSTROUTING", self.prefix);
         let outgoing = format!("{}-nat-outgoing", self.prefix);
-        for t in kernel.tables.iter_mut().filter(|t| t.table() == "nat") {
+        for t in kernel.rule_tables_mut().filter(|t| t.table() == "nat") {
             let v = t.version();
             let masq = self
                 .pools

@@ -63,6 +63,9 @@ pub enum RuleError {
     Token(String),
     #[error("a rule needs at least one token")]
     Empty,
+    /// The rule has no nftables translation (`--dataplane nftables`).
+    #[error("not expressible in nftables: {0}")]
+    Nftables(String),
 }
 
 fn check_chain(name: &str) -> Result<(), RuleError> {

@@ -97,9 +97,46 @@ pub enum Expr {
         mask: u32,
         value: u32,
     },
+    /// `mark & mask != value`.
+    MarkIsNot {
+        mask: u32,
+        value: u32,
+    },
+    /// `reg &= mask` over the register's first `mask.len()` bytes (a
+    /// network's prefix before its compare).
+    And(Vec<u8>),
+    /// Continues only if the register's first `lo.len()` bytes are within
+    /// `[lo, hi]` (big-endian; outside it with `eq: false`).
+    Range {
+        eq: bool,
+        lo: Vec<u8>,
+        hi: Vec<u8>,
+    },
+    /// Continues only if the register (a big-endian number of
+    /// `data.len()` bytes) is `>=` (`ge`) or `<=` `data`.
+    CmpOrder {
+        ge: bool,
+        data: Vec<u8>,
+    },
+    /// Loads the route type of the packet's source or destination address
+    /// (`fib saddr|daddr type`; compare with [`RTN_LOCAL`]).
+    FibAddrType {
+        daddr: bool,
+    },
+    /// Logs the packet to the kernel log with a prefix.
+    Log {
+        prefix: String,
+    },
+    /// Source NAT to the outgoing interface's address (nat chains only).
+    Masquerade,
+    /// No connection tracking for this packet (before conntrack's hook).
+    Notrack,
     Counter,
     Verdict(Verdict),
 }
+
+/// The route type of a local address (`RTN_LOCAL`), as `fib` loads it.
+pub const RTN_LOCAL: u32 = 2;
 
 fn nested(buf: &mut Vec<u8>, ty: u16, inner: impl FnOnce(&mut Vec<u8>)) {
     let mut i = Vec::new();
@@ -245,6 +282,39 @@ pub fn encode(exprs: &[Expr]) -> Vec<u8> {
                     attr_u32(b, 3, NFT_REG_1); // SREG: set
                 });
             }
+            Expr::MarkIsNot { mask, value: v } => {
+                meta_load(&mut buf, Meta::Mark);
+                bitwise(&mut buf, *mask, 0);
+                cmp(&mut buf, false, &v.to_ne_bytes());
+            }
+            Expr::And(mask) => expr(&mut buf, "bitwise", |b| {
+                attr_u32(b, 1, NFT_REG_1); // SREG
+                attr_u32(b, 2, NFT_REG_1); // DREG
+                attr_u32(b, 3, mask.len() as u32); // LEN
+                value(b, 4, mask); // MASK
+                value(b, 5, &vec![0; mask.len()]); // XOR
+            }),
+            Expr::Range { eq, lo, hi } => expr(&mut buf, "range", |b| {
+                attr_u32(b, 1, NFT_REG_1); // SREG
+                attr_u32(b, 2, if *eq { 0 } else { 1 }); // OP: EQ, NEQ
+                value(b, 3, lo); // FROM
+                value(b, 4, hi); // TO
+            }),
+            Expr::CmpOrder { ge, data } => expr(&mut buf, "cmp", |b| {
+                attr_u32(b, 1, NFT_REG_1); // SREG
+                attr_u32(b, 2, if *ge { 5 } else { 3 }); // OP: GTE, LTE
+                value(b, 3, data);
+            }),
+            Expr::FibAddrType { daddr } => expr(&mut buf, "fib", |b| {
+                attr_u32(b, 1, NFT_REG_1); // DREG
+                attr_u32(b, 2, 3); // RESULT: NFT_FIB_RESULT_ADDRTYPE
+                attr_u32(b, 3, if *daddr { 2 } else { 1 }); // FLAGS: DADDR, SADDR
+            }),
+            Expr::Log { prefix } => expr(&mut buf, "log", |b| {
+                attr_str(b, 2, prefix); // PREFIX
+            }),
+            Expr::Masquerade => expr(&mut buf, "masq", |_| {}),
+            Expr::Notrack => expr(&mut buf, "notrack", |_| {}),
             Expr::Counter => expr(&mut buf, "counter", |_| {}),
             Expr::Verdict(v) => expr(&mut buf, "immediate", |b| {
                 attr_u32(b, 1, NFT_REG_VERDICT); // DREG

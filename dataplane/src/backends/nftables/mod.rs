@@ -54,8 +54,15 @@
 //! dispatch maps; the backend behind the managers (`--dataplane
 //! nftables`); the policy suite and the benchmark on both backends.
 
+pub mod chains;
+pub mod dataplane;
 pub mod expr;
 pub mod intervals;
 pub mod netlink;
 pub mod ops;
+pub mod plan;
+pub mod sets;
+pub mod translate;
 mod wire;
+
+pub use dataplane::Dataplane;

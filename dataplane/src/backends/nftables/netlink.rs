@@ -272,6 +272,15 @@ impl NftNetlink {
                         elements_attr(&mut a, table, set, &range_elements(ranges));
                         (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
                     }
+                    Op::AddIntervals {
+                        family,
+                        table,
+                        set,
+                        elements,
+                    } => {
+                        elements_attr(&mut a, table, set, elements);
+                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                    }
                     Op::DestroyRanges {
                         family,
                         table,
@@ -295,7 +304,11 @@ impl NftNetlink {
                                 attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
                             });
                             attr_u32(&mut a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
-                            attr_str(&mut a, NFTA_CHAIN_TYPE, "filter");
+                            attr_str(
+                                &mut a,
+                                NFTA_CHAIN_TYPE,
+                                if b.nat { "nat" } else { "filter" },
+                            );
                         }
                         (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
                     }
@@ -497,14 +510,13 @@ impl NftNetlink {
         Ok(self
             .dump(NFT_MSG_GETSET, family, &a)?
             .iter()
-            .map(|m| {
-                let a = attrs(m);
-                SetInfo {
-                    name: get(&a, NFTA_SET_NAME).map(string).unwrap_or_default(),
-                    key_type: get(&a, NFTA_SET_KEY_TYPE).map_or(0, be_u32),
-                    key_len: get(&a, NFTA_SET_KEY_LEN).map_or(0, be_u32),
-                    flags: get(&a, NFTA_SET_FLAGS).map_or(0, be_u32),
-                }
+            .map(|m| attrs(m))
+            .filter(|a| get(a, NFTA_SET_TABLE).map(string).as_deref() == Some(table))
+            .map(|a| SetInfo {
+                name: get(&a, NFTA_SET_NAME).map(string).unwrap_or_default(),
+                key_type: get(&a, NFTA_SET_KEY_TYPE).map_or(0, be_u32),
+                key_len: get(&a, NFTA_SET_KEY_LEN).map_or(0, be_u32),
+                flags: get(&a, NFTA_SET_FLAGS).map_or(0, be_u32),
             })
             .collect())
     }
@@ -513,11 +525,14 @@ impl NftNetlink {
     pub fn chains(&mut self, family: Family, table: &str) -> Result<Vec<ChainInfo>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_CHAIN_TABLE, table);
+        // The kernel's chain dump does not filter by table: every chain of
+        // the family comes back.
         Ok(self
             .dump(NFT_MSG_GETCHAIN, family, &a)?
             .iter()
-            .map(|m| {
-                let a = attrs(m);
+            .map(|m| attrs(m))
+            .filter(|a| get(a, NFTA_CHAIN_TABLE).map(string).as_deref() == Some(table))
+            .map(|a| {
                 let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
                     let h = attrs(h);
                     (
@@ -540,17 +555,16 @@ impl NftNetlink {
         Ok(self
             .dump(NFT_MSG_GETRULE, family, &a)?
             .iter()
-            .map(|m| {
-                let a = attrs(m);
-                RuleInfo {
-                    chain: get(&a, NFTA_RULE_CHAIN).map(string).unwrap_or_default(),
-                    handle: get(&a, NFTA_RULE_HANDLE)
-                        .and_then(|h| <[u8; 8]>::try_from(h).ok())
-                        .map_or(0, u64::from_be_bytes),
-                    comment: get(&a, NFTA_RULE_USERDATA)
-                        .map(comment_of)
-                        .unwrap_or_default(),
-                }
+            .map(|m| attrs(m))
+            .filter(|a| get(a, NFTA_RULE_TABLE).map(string).as_deref() == Some(table))
+            .map(|a| RuleInfo {
+                chain: get(&a, NFTA_RULE_CHAIN).map(string).unwrap_or_default(),
+                handle: get(&a, NFTA_RULE_HANDLE)
+                    .and_then(|h| <[u8; 8]>::try_from(h).ok())
+                    .map_or(0, u64::from_be_bytes),
+                comment: get(&a, NFTA_RULE_USERDATA)
+                    .map(comment_of)
+                    .unwrap_or_default(),
             })
             .collect())
     }
@@ -589,7 +603,7 @@ impl NftNetlink {
     }
 
     /// Each element's key, and whether it ends an interval.
-    fn raw_elements(
+    pub fn raw_elements(
         &mut self,
         family: Family,
         table: &str,

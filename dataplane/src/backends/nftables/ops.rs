@@ -42,6 +42,8 @@ pub enum KeyType {
     Ipv6AddrProtoPort,
     /// An interface name (the dispatch maps' key).
     IfName,
+    /// A transport port (`inet_service`): the port lists of rules.
+    Port,
 }
 
 impl KeyType {
@@ -56,6 +58,7 @@ impl KeyType {
             Self::Ipv4AddrProtoPort => (concat(TYPE_IPADDR), 12),
             Self::Ipv6AddrProtoPort => (concat(TYPE_IP6ADDR), 24),
             Self::IfName => (TYPE_IFNAME, 16),
+            Self::Port => (TYPE_INET_SERVICE, 2),
         }
     }
 }
@@ -68,6 +71,8 @@ pub enum Key {
     AddrProtoPort(IpAddr, u8, u16),
     /// An interface name, NUL-padded ([`Key::ifname`]).
     IfName([u8; 16]),
+    /// A transport port.
+    Port(u16),
 }
 
 impl Key {
@@ -97,6 +102,7 @@ impl Key {
         match self {
             Self::Addr(a) => addr(a),
             Self::IfName(b) => b.to_vec(),
+            Self::Port(p) => p.to_be_bytes().to_vec(),
             Self::AddrProtoPort(a, proto, port) => {
                 let mut b = addr(a);
                 b.extend([*proto, 0, 0, 0]);
@@ -116,6 +122,7 @@ impl Key {
             }
         };
         match v.len() {
+            2 => Some(Self::Port(u16::from_be_bytes([v[0], v[1]]))),
             4 | 16 => addr(v).map(Self::Addr),
             12 | 24 => {
                 let n = v.len() - 8;
@@ -147,6 +154,9 @@ pub struct BaseChain {
     pub hook: Hook,
     pub priority: i32,
     pub accept_by_default: bool,
+    /// A `nat` chain (the first packet of a connection only; where
+    /// masquerade runs) rather than a `filter` one.
+    pub nat: bool,
 }
 
 /// One change in a commit.
@@ -209,6 +219,14 @@ pub enum Op {
         table: String,
         set: String,
         ranges: Vec<Range>,
+    },
+    /// Elements of an interval set of another key than addresses (port
+    /// lists): (key, ends an interval).
+    AddIntervals {
+        family: Family,
+        table: String,
+        set: String,
+        elements: Vec<(Key, bool)>,
     },
     /// Ranges removed from an interval set.
     DestroyRanges {
@@ -356,6 +374,12 @@ pub(super) fn describe(op: &Op) -> String {
         Op::AddRanges {
             table, set, ranges, ..
         } => format!("adding {} ranges to {table}/{set}", ranges.len()),
+        Op::AddIntervals {
+            table,
+            set,
+            elements,
+            ..
+        } => format!("adding {} interval keys to {table}/{set}", elements.len()),
         Op::AddVerdictMap { table, map, .. } => format!("adding map {table}/{map}"),
         Op::AddVerdicts {
             table,

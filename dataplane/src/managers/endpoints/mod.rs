@@ -358,7 +358,7 @@ impl EndpointsManager {
     ) -> Result<(), ManagerError> {
         for owner in owners {
             let mut now: Vec<(usize, String)> = Vec::new();
-            for (i, t) in kernel.tables.iter_mut().enumerate() {
+            for (i, t) in kernel.rule_tables_mut().enumerate() {
                 let table = t.table();
                 if ![FILTER, RAW, MANGLE].contains(&table) {
                     continue;
@@ -369,9 +369,12 @@ impl EndpointsManager {
                 }
             }
             let before = self.owned.remove(&owner).unwrap_or_default();
-            for (i, name) in before {
-                if !now.contains(&(i, name.clone())) {
-                    kernel.tables[i].remove_chain(&name);
+            for (i, t) in kernel.rule_tables_mut().enumerate() {
+                for (_, name) in before
+                    .iter()
+                    .filter(|(j, n)| *j == i && !now.contains(&(i, n.clone())))
+                {
+                    t.remove_chain(name);
                 }
             }
             if !now.is_empty() {
@@ -385,7 +388,7 @@ impl EndpointsManager {
     /// only while they hold host endpoint policy.
     fn set_hooks(&self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
         let active = self.host_tables_active(&self.resolved);
-        for t in kernel.tables.iter_mut() {
+        for t in kernel.rule_tables_mut() {
             let (hooks, on): (&[&str], bool) = match t.table() {
                 FILTER => (&FILTER_HOOKS, true),
                 RAW => (&RAW_HOOKS, active),
@@ -731,8 +734,10 @@ impl Manager for EndpointsManager {
                 let (routes, neighbours) = self.routes();
                 r.set(RouteSource::Workloads, routes, neighbours);
             }
+            let ipv6 = kernel
+                .rule_tables_mut()
+                .any(|t| t.version() == IpVersion::V6);
             if let Some(sc) = &mut kernel.sysctls {
-                let ipv6 = kernel.tables.iter().any(|t| t.version() == IpVersion::V6);
                 let knobs = self
                     .endpoints
                     .values()

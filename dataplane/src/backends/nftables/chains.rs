@@ -1,0 +1,245 @@
+//! The chains the managers want in one table (`raw`, `mangle`, `nat`,
+//! `filter`) of one IP version, translated to expressions as they are
+//! set ([`super::translate`]): plain data, read by the plan.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use super::ops::{BaseChain, Hook};
+use super::translate::{Translated, translate};
+use crate::backends::desired::RuleTable;
+use crate::backends::iptables::{Ownership, Rule, RuleError, rule_hashes};
+use crate::model::IpVersion;
+
+/// One chain: the managers' rules, what they translate to, and the
+/// comment each rule carries (our prefix and the rule's hash, chained over
+/// the chain's name as the iptables dataplane does: equal comments, equal
+/// rules).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DesiredChain {
+    pub rules: Vec<Rule>,
+    pub translated: Vec<Translated>,
+    pub comments: Vec<String>,
+}
+
+impl DesiredChain {
+    fn new(name: &str, rules: Vec<Rule>, v6: bool, own: &Ownership) -> Result<Self, RuleError> {
+        let translated = rules
+            .iter()
+            .map(|r| translate(r.text(), v6).map_err(|e| RuleError::Nftables(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let comments = rule_hashes(name, &rules)
+            .iter()
+            .map(|h| format!("{}{h}", own.comment_prefix))
+            .collect();
+        Ok(Self {
+            rules,
+            translated,
+            comments,
+        })
+    }
+
+    /// The chains its rules jump or go to.
+    pub fn targets(&self) -> impl Iterator<Item = &str> {
+        self.translated.iter().filter_map(|t| t.target.as_deref())
+    }
+}
+
+const BUILTINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+
+/// Where iptables' built-in chain `builtin` of `table` hooks, at the
+/// priority iptables-nft gives it (so the two order alike beside each
+/// other); `None` where iptables has no such chain.
+pub fn base_chain(table: &str, builtin: &str) -> Option<BaseChain> {
+    let hook = match builtin {
+        "PREROUTING" => Hook::Prerouting,
+        "INPUT" => Hook::Input,
+        "FORWARD" => Hook::Forward,
+        "OUTPUT" => Hook::Output,
+        "POSTROUTING" => Hook::Postrouting,
+        _ => return None,
+    };
+    let priority = match (table, hook) {
+        ("raw", Hook::Prerouting | Hook::Output) => -300,
+        ("mangle", _) => -150,
+        ("nat", Hook::Prerouting | Hook::Output) => -100,
+        ("nat", Hook::Input | Hook::Postrouting) => 100,
+        ("filter", Hook::Input | Hook::Forward | Hook::Output) => 0,
+        _ => return None,
+    };
+    Some(BaseChain {
+        hook,
+        priority,
+        accept_by_default: true,
+        nat: table == "nat",
+    })
+}
+
+/// The desired chains of one table.
+#[derive(Debug, Clone)]
+pub struct ChainTable {
+    table: &'static str,
+    version: IpVersion,
+    own: Ownership,
+    pub(super) chains: BTreeMap<String, DesiredChain>,
+    /// Our rules in each built-in chain (their own base chain here).
+    pub(super) hooks: BTreeMap<String, DesiredChain>,
+    forced: BTreeSet<String>,
+    /// Changed since the last successful write.
+    pub(super) changed: bool,
+}
+
+impl ChainTable {
+    pub fn new(table: &'static str, version: IpVersion, own: Ownership) -> Self {
+        Self {
+            table,
+            version,
+            own,
+            chains: BTreeMap::new(),
+            hooks: BTreeMap::new(),
+            forced: BTreeSet::new(),
+            changed: true,
+        }
+    }
+
+    fn v6(&self) -> bool {
+        self.version == IpVersion::V6
+    }
+
+    /// The chains to program: those the hooks reach and the forced ones.
+    pub(super) fn reachable(&self) -> HashSet<&str> {
+        let mut out = HashSet::with_capacity(self.chains.len());
+        let mut todo: Vec<&str> = self.forced.iter().map(String::as_str).collect();
+        for h in self.hooks.values() {
+            todo.extend(h.targets());
+        }
+        while let Some(c) = todo.pop() {
+            let Some((name, chain)) = self.chains.get_key_value(c) else {
+                continue;
+            };
+            if out.insert(name.as_str()) {
+                todo.extend(chain.targets());
+            }
+        }
+        out
+    }
+}
+
+impl RuleTable for ChainTable {
+    fn table(&self) -> &'static str {
+        self.table
+    }
+
+    fn version(&self) -> IpVersion {
+        self.version
+    }
+
+    fn set_chain(&mut self, name: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        if !name.starts_with(&self.own.chain_prefix) || BUILTINS.contains(&name) {
+            return Err(RuleError::ChainName(name.to_string()));
+        }
+        if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
+            let chain = DesiredChain::new(name, rules, self.v6(), &self.own)?;
+            self.chains.insert(name.to_string(), chain);
+            self.changed = true;
+        }
+        Ok(())
+    }
+
+    fn remove_chain(&mut self, name: &str) {
+        if self.chains.remove(name).is_some() {
+            self.forced.remove(name);
+            self.changed = true;
+        }
+    }
+
+    fn force(&mut self, name: &str) {
+        if self.forced.insert(name.to_string()) {
+            self.changed = true;
+        }
+    }
+
+    fn set_hooks(&mut self, builtin: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        if base_chain(self.table, builtin).is_none() {
+            return Err(RuleError::ChainName(builtin.to_string()));
+        }
+        if self.hooks.get(builtin).map(|c| &c.rules) == Some(&rules) {
+            return Ok(());
+        }
+        if rules.is_empty() {
+            self.hooks.remove(builtin);
+        } else {
+            let chain = DesiredChain::new(builtin, rules, self.v6(), &self.own)?;
+            self.hooks.insert(builtin.to_string(), chain);
+        }
+        self.changed = true;
+        Ok(())
+    }
+
+    fn chain(&self, name: &str) -> Option<&[Rule]> {
+        self.chains.get(name).map(|c| c.rules.as_slice())
+    }
+
+    fn hooks(&self, builtin: &str) -> &[Rule] {
+        self.hooks.get(builtin).map_or(&[], |c| c.rules.as_slice())
+    }
+
+    fn programmed(&self) -> BTreeSet<String> {
+        self.reachable().into_iter().map(str::to_string).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(s: &str) -> Rule {
+        Rule::parse(s).unwrap()
+    }
+
+    #[test]
+    fn only_what_the_hooks_reach_is_programmed() {
+        let mut t = ChainTable::new("filter", IpVersion::V4, Ownership::new("dph"));
+        t.set_chain("dph-a", vec![r("-j dph-b")]).unwrap();
+        t.set_chain("dph-b", vec![r("-j DROP")]).unwrap();
+        t.set_chain("dph-c", vec![r("-j DROP")]).unwrap();
+        assert!(t.programmed().is_empty());
+        t.set_hooks("FORWARD", vec![r("-j dph-a")]).unwrap();
+        assert_eq!(t.programmed(), ["dph-a", "dph-b"].map(String::from).into());
+        t.force("dph-c");
+        assert_eq!(t.programmed().len(), 3);
+        assert!(
+            t.set_hooks("PREROUTING", vec![r("-j dph-a")]).is_err(),
+            "no such chain in filter"
+        );
+        assert!(t.set_chain("FORWARD", vec![]).is_err());
+        assert!(t.set_chain("other", vec![]).is_err());
+        let err = t.set_chain("dph-d", vec![r("-j REJECT")]).unwrap_err();
+        assert!(matches!(err, RuleError::Nftables(_)), "{err}");
+        assert!(
+            t.chain("dph-d").is_none(),
+            "a rule that cannot be translated sets nothing"
+        );
+    }
+
+    #[test]
+    fn comments_carry_the_prefix_and_the_chained_hash() {
+        let mut t = ChainTable::new("filter", IpVersion::V4, Ownership::new("dph"));
+        t.set_chain("dph-a", vec![r("-j ACCEPT"), r("-j DROP")])
+            .unwrap();
+        let c = &t.chains["dph-a"].comments;
+        assert!(
+            c.iter().all(|c| c.starts_with("dph:") && c.len() == 20),
+            "{c:?}"
+        );
+        assert_ne!(c[0], c[1]);
+    }
+
+    #[test]
+    fn base_chains_sit_where_iptables_nft_puts_them() {
+        assert_eq!(base_chain("raw", "PREROUTING").unwrap().priority, -300);
+        assert_eq!(base_chain("nat", "POSTROUTING").unwrap().priority, 100);
+        assert!(base_chain("nat", "POSTROUTING").unwrap().nat);
+        assert!(!base_chain("filter", "FORWARD").unwrap().nat);
+        assert!(base_chain("raw", "FORWARD").is_none());
+    }
+}

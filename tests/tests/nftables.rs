@@ -1,0 +1,242 @@
+//! `--dataplane nftables` against the real daemon, beside other agents:
+//! a workload's policy enforced with real TCP; another agent's nftables
+//! table and iptables-nft rules in the same namespace untouched; a switch
+//! from the iptables dataplane that leaves none of its chains or sets
+//! (and the switch back, none of our tables); a restart that adopts what
+//! is there without writing, while a flow keeps being checked; tampering
+//! put back on the refresh tick; `dphctl status` per table. Needs root.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use dphandler_tests::lab::{self, scrape, tcp_ok, yaml_msgs};
+use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
+
+fn tcp(from: &Netns, to: &str, port: u16) -> bool {
+    let addr: SocketAddr = format!("{to}:{port}").parse().unwrap();
+    tcp_ok(from, addr, Duration::from_millis(700))
+}
+
+/// Two workloads; w2 takes tcp/80 from the set holding w1, nothing else.
+fn snapshot() -> String {
+    let wep = |iface: &str, ip: &str, extra: &str| {
+        format!(
+            "workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/{iface}, endpointId: eth0}}\n  endpoint:\n    name: {iface}\n    ipv4Nets: [{ip}/32]\n    profileIds: [kns.ns]\n{extra}---\n"
+        )
+    };
+    let tier = "    tiers:\n      - name: default\n        ingressPolicies: [{name: default.web}]\n        defaultAction: deny\n";
+    format!(
+        "activeProfileUpdate:\n  id: {{name: kns.ns}}\n  profile:\n    inboundRules: [{{action: allow}}]\n    outboundRules: [{{action: allow}}]\n---\n\
+         ipsetUpdate: {{id: 's:clients', type: IP, members: [10.65.0.2]}}\n---\n\
+         activePolicyUpdate:\n  id: {{name: default.web}}\n  policy:\n    tier: default\n    inboundRules:\n      - action: allow\n        protocol: {{name: tcp}}\n        srcIpSetIds: ['s:clients']\n        dstPorts: [{{first: 80}}]\n---\n\
+         {}{}inSync: {{}}\n",
+        wep("cali1", "10.65.0.2", ""),
+        wep("cali2", "10.65.0.3", tier)
+    )
+}
+
+/// What another agent keeps in the namespace, as listed.
+fn foreign(host: &Netns) -> Result<(String, String)> {
+    let kp = host.run("nft", &["list", "table", "ip", "kube-proxy"])?;
+    let ipt = host.run("iptables-nft", &["-S", "FORWARD"])?;
+    // Our own hook (the iptables dataplane's) aside.
+    Ok((
+        String::from_utf8_lossy(&kp.stdout).into_owned(),
+        String::from_utf8_lossy(&ipt.stdout)
+            .lines()
+            .filter(|l| !l.contains("dph"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    ))
+}
+
+fn ours_in_iptables(host: &Netns) -> Result<(usize, usize)> {
+    let save = host.run("iptables-save", &[])?;
+    let sets = host.run("ipset", &["list", "-n"])?;
+    Ok((
+        String::from_utf8_lossy(&save.stdout)
+            .lines()
+            .filter(|l| l.contains("dph"))
+            .count(),
+        String::from_utf8_lossy(&sets.stdout)
+            .lines()
+            .filter(|l| l.starts_with("dph"))
+            .count(),
+    ))
+}
+
+fn our_tables(host: &Netns) -> Result<Vec<String>> {
+    let out = host.run("nft", &["list", "tables"])?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(" dph-"))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Starts a daemon with `dataplane` and feeds it the snapshot.
+async fn run(
+    host: &Netns,
+    dir: &std::path::Path,
+    dataplane: &str,
+    metrics: &str,
+) -> Result<(
+    Daemon,
+    dphandler_proto::v1::dataplane_client::DataplaneClient<tonic::transport::Channel>,
+)> {
+    let d = Daemon::start(
+        host,
+        &dir.join("dp.sock"),
+        &[
+            "--ipv6",
+            "false",
+            "--dataplane",
+            dataplane,
+            "--iptables-refresh-seconds",
+            "1",
+            "--metrics-addr",
+            metrics,
+        ],
+    )?;
+    let mut c = d.connect().await.context("daemon")?;
+    let (rej, _) = push(&mut c, yaml_msgs(1, &snapshot())).await?;
+    ensure!(rej.is_empty(), "{rej:?}");
+    Ok((d, c))
+}
+
+#[tokio::test]
+async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let host = Netns::new("nft")?;
+    host.run("ip", &["link", "set", "lo", "up"])?;
+    let w1 = lab::workload_v4(&host, "cali1", 1, "10.65.0.2")?;
+    let w2 = lab::workload_v4(&host, "cali2", 2, "10.65.0.3")?;
+    let _l = lab::serve(&w2.0, &[80, 81], &[]);
+    // Another agent: its own nftables table and an iptables-nft rule.
+    host.run("nft", &["add", "table", "ip", "kube-proxy"])?;
+    host.run(
+        "nft",
+        &[
+            "add",
+            "set",
+            "ip",
+            "kube-proxy",
+            "svc",
+            "{ type ipv4_addr; }",
+        ],
+    )?;
+    host.run(
+        "iptables-nft",
+        &["-A", "FORWARD", "-s", "192.0.2.9", "-j", "DROP"],
+    )?;
+    let before = foreign(&host)?;
+    let metrics = "127.0.0.1:19391";
+
+    // 1. The iptables dataplane first: its chains and sets are there.
+    let (d, c) = run(&host, dir.path(), "iptables", metrics).await?;
+    assert!(tcp(&w1, "10.65.0.3", 80) && !tcp(&w1, "10.65.0.3", 81));
+    let (rules, sets) = ours_in_iptables(&host)?;
+    assert!(rules > 10 && sets >= 1, "{rules} rules, {sets} sets");
+    drop(c);
+    d.stop()?;
+
+    // 2. nftables: the same policy, and nothing left of iptables'.
+    let (d, mut c) = run(&host, dir.path(), "nftables", metrics).await?;
+    assert!(tcp(&w1, "10.65.0.3", 80), "allowed by the policy");
+    assert!(!tcp(&w1, "10.65.0.3", 81), "the tier's default drop");
+    assert!(!tcp(&w2, "10.65.0.2", 80), "nothing listens (sanity)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ours_in_iptables(&host)? != (0, 0) {
+        ensure!(
+            Instant::now() < deadline,
+            "the iptables dataplane's leftovers stay: {:?}",
+            ours_in_iptables(&host)?
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let tables = our_tables(&host)?;
+    assert!(
+        tables.iter().any(|t| t.contains("ip dph-filter")),
+        "{tables:?}"
+    );
+    let st = c
+        .get_status(dphandler_proto::v1::GetStatusRequest {})
+        .await?
+        .into_inner();
+    let filter = st
+        .details
+        .get("nftables-v4.dph-filter")
+        .context("status per table")?;
+    assert!(
+        filter.contains(" chains, ") && filter.contains(" rules, "),
+        "{filter}"
+    );
+    assert_eq!(
+        st.details.get("cleanup.iptables-v4").map(String::as_str),
+        Some("done"),
+        "{:?}",
+        st.details
+    );
+    drop(c);
+    d.stop()?;
+
+    // 3. A restart adopts: nothing is written, and an established flow
+    //    and the policy hold throughout.
+    let flow = lab::connect(&w1, "10.65.0.3:80".parse()?)?;
+    let (d, _c) = run(&host, dir.path(), "nftables", metrics).await?;
+    let m = scrape(&host, 19391)?;
+    assert_eq!(
+        m.get("dphandler_nftables_commits_total{ip_version=\"4\"}"),
+        Some(&0.0),
+        "a restart wrote to tables that were right"
+    );
+    assert!(tcp(&w1, "10.65.0.3", 80) && !tcp(&w1, "10.65.0.3", 81));
+    let mut f = flow;
+    std::io::Write::write_all(&mut f, b"x").context("the established flow broke")?;
+
+    // 4. Tampering is put back on the refresh tick (every second here):
+    //    the forward hook's jump flushed by hand opens tcp/81.
+    host.run("nft", &["flush", "chain", "ip", "dph-filter", "FORWARD"])?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let chain = host.run("nft", &["list", "chain", "ip", "dph-filter", "FORWARD"])?;
+        if String::from_utf8_lossy(&chain.stdout).contains("jump dph-FORWARD") {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the hook was not put back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!tcp(&w1, "10.65.0.3", 81), "denied again after the repair");
+    // Refresh ticks that find everything right write nothing.
+    let commits = || -> Result<f64> {
+        Ok(scrape(&host, 19391)?
+            .get("dphandler_nftables_commits_total{ip_version=\"4\"}")
+            .copied()
+            .unwrap_or(-1.0))
+    };
+    let repaired = commits()?;
+    assert!(repaired >= 1.0);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(commits()?, repaired, "a refresh of right tables wrote");
+    d.stop()?;
+
+    // 5. Back to iptables: none of our tables stay.
+    let (d, _c) = run(&host, dir.path(), "iptables", metrics).await?;
+    assert!(tcp(&w1, "10.65.0.3", 80) && !tcp(&w1, "10.65.0.3", 81));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !our_tables(&host)?.is_empty() {
+        ensure!(
+            Instant::now() < deadline,
+            "our nftables tables stay: {:?}",
+            our_tables(&host)?
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    d.stop()?;
+    assert_eq!(foreign(&host)?, before, "another agent's state changed");
+    Ok(())
+}
