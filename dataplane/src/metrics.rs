@@ -294,6 +294,14 @@ pub struct Metrics {
     /// nftables commits that changed something, by IP version
     /// (`--dataplane nftables`).
     pub nftables_commits: Family<VersionLabel, Counter>,
+    /// Those of them the kernel validates by walking the table: they add
+    /// or replace a rule (every rule here carries a verdict or sets the
+    /// mark, which the kernel validates) rather than only set elements.
+    pub nftables_validating_commits: Family<VersionLabel, Counter>,
+    /// Seconds per nftables commit that changed something: the batch sent
+    /// until the kernel's reply, i.e. the kernel's commit (validation
+    /// included).
+    pub nftables_commit_time: Family<VersionLabel, Histogram, fn() -> Histogram>,
     /// Chains (base chains too) and rules in our nftables tables, by
     /// table (`dph-filter`, …), as last read or written.
     pub nftables_chains: Family<TableLabel, Gauge>,
@@ -332,6 +340,10 @@ impl Default for Metrics {
             iptables_chains: Family::default(),
             iptables_rules: Family::default(),
             nftables_commits: Family::default(),
+            nftables_validating_commits: Family::default(),
+            nftables_commit_time: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_125, 2.0, 14))
+            }),
             nftables_chains: Family::default(),
             nftables_rules: Family::default(),
             ipset: ToolCounters::default(),
@@ -451,6 +463,16 @@ impl Metrics {
             "nftables_commits",
             "nftables commits that changed something",
             self.nftables_commits.clone(),
+        );
+        registry.register(
+            "nftables_validating_commits",
+            "nftables commits that add rules (the kernel walks the table to validate them)",
+            self.nftables_validating_commits.clone(),
+        );
+        registry.register(
+            "nftables_commit_seconds",
+            "Time of an nftables commit, batch sent to the kernel's reply",
+            self.nftables_commit_time.clone(),
         );
         registry.register(
             "nftables_chains",

@@ -512,6 +512,12 @@ async fn serve(
     };
     let names =
         SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
+    let nftables = args.dataplane == "nftables";
+    let names = if nftables {
+        names.for_nftables()
+    } else {
+        names
+    };
     let mut args = args;
     let mark_mask = dphandler_dataplane::model::config::FelixConfig::parse(&[(
         "IptablesMarkMask".to_string(),

@@ -87,6 +87,15 @@ pub fn scrape(ns: &Netns, port: u16) -> Result<std::collections::BTreeMap<String
                     out.insert(series(""), n.as_f64());
                 }
                 OpenMetricsValue::Histogram(h) => {
+                    for b in &h.buckets {
+                        let mut with_le = labels.clone();
+                        with_le.push(format!("le=\"{}\"", b.upper_bound));
+                        with_le.sort();
+                        out.insert(
+                            format!("{name}_bucket{{{}}}", with_le.join(",")),
+                            b.count.as_f64(),
+                        );
+                    }
                     out.insert(series("_count"), h.count.unwrap_or(0) as f64);
                     out.insert(
                         series("_sum"),

@@ -44,11 +44,15 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("workload_endpoint     1"), "{stdout}");
+    // nftables names an id nft cannot parse (`s:…`) by its hash.
     assert!(
-        stdout.contains(kernel::spelled(
-            "dph40s:frontend-pods        hash:ip       2 members",
-            "dph40s:frontend-pods          2 members  ipv4_addr"
-        )),
+        if kernel::nftables() {
+            stdout
+                .lines()
+                .any(|l| l.contains("dph40_") && l.contains("  2 members  ipv4_addr"))
+        } else {
+            stdout.contains("dph40s:frontend-pods        hash:ip       2 members")
+        },
         "{stdout}"
     );
     // Pod traffic between nodes: the VXLAN device, the other node's block
@@ -93,11 +97,15 @@ fn demo_as_felix_goes_through_the_felix_driver() -> Result<()> {
         stdout.contains("\"workloadEndpointStatusUpdate\":{\"id\":{\"orchestratorId\":\"k8s\",\"workloadId\":\"shop/backend-0\""),
         "{stdout}"
     );
+    // nftables names an id nft cannot parse (`s:…`) by its hash.
     assert!(
-        stdout.contains(kernel::spelled(
-            "dph40s:frontend-pods        hash:ip       2 members",
-            "dph40s:frontend-pods          2 members  ipv4_addr"
-        )),
+        if kernel::nftables() {
+            stdout
+                .lines()
+                .any(|l| l.contains("dph40_") && l.contains("  2 members  ipv4_addr"))
+        } else {
+            stdout.contains("dph40s:frontend-pods        hash:ip       2 members")
+        },
         "{stdout}"
     );
     assert!(stdout.contains("last programmed sequence 16"), "{stdout}");

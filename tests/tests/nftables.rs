@@ -163,6 +163,16 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         tables.iter().any(|t| t.contains("ip dph-filter")),
         "{tables:?}"
     );
+    // What nft lists of ours loads again with `nft -f` (set names nft
+    // can parse), into a namespace of its own.
+    let listed = host
+        .run("nft", &["list", "table", "ip", "dph-filter"])?
+        .stdout;
+    let copy = Netns::new("nftcopy")?;
+    let file = dir.path().join("dph-filter.nft");
+    std::fs::write(&file, &listed)?;
+    copy.run("nft", &["-f", &file.to_string_lossy()])?;
+    drop(copy);
     let st = c
         .get_status(dphandler_proto::v1::GetStatusRequest {})
         .await?

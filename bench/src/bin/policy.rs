@@ -12,7 +12,21 @@
 //! 3. churn: a mix of IP-set deltas, endpoint changes, new and removed
 //!    endpoints and policy changes at a steady rate; the latency of each
 //!    message (sent → programmed), and the server's CPU.
-//! 4. the server's peak RSS.
+//! 4. one IP-set member added, until programmed. Raw: one `ipset add` /
+//!    `nft add element`.
+//! 5. the packet path: TCP request/response over one connection between
+//!    two real workloads among the synthetic ones, for a few seconds.
+//! 6. the server's peak RSS.
+//!
+//! Each dataplane (`--dataplanes iptables,nftables`) runs the same
+//! sequence in namespaces of its own, one after the other, in the same
+//! run. The nftables raw baseline is `nft -f` of what `nft list ruleset`
+//! reads back (and a one-chain `flush chain` + rules for a change). For
+//! nftables the kernel's side is also counted with the function tracer
+//! (tracefs; no kprobes on this kernel): commits (`nf_tables_commit`),
+//! those that walked a table to validate it (`nft_table_validate`) and
+//! the chains walked (`nft_chain_validate`), over a traced churn second
+//! pass; the commit time is the daemon's own (batch sent to reply).
 //!
 //! IPv4 only (`--ipv6 false`): the raw baseline loads one family. The
 //! workload interfaces do not exist (creating 10,000 veth pairs would
@@ -67,6 +81,20 @@ struct Args {
     /// filter`) into this directory, to study the raw tools by hand.
     #[arg(long, env = "DPH_BENCH_DUMP_DIR")]
     dump_dir: Option<std::path::PathBuf>,
+    /// Which dataplanes to run, in order.
+    #[arg(
+        long,
+        env = "DPH_BENCH_DATAPLANES",
+        value_delimiter = ',',
+        default_value = "iptables,nftables"
+    )]
+    dataplanes: Vec<String>,
+    /// Seconds of request/response traffic between the two real workloads.
+    #[arg(long, env = "DPH_BENCH_RR_SECONDS", default_value_t = 5)]
+    rr_seconds: u64,
+    /// Seconds of the traced churn pass (nftables: validation census).
+    #[arg(long, env = "DPH_BENCH_TRACE_SECONDS", default_value_t = 10)]
+    trace_seconds: u32,
     /// The server's log filter (its log goes to this program's stderr).
     #[arg(long, env = "DPH_BENCH_SERVER_LOG", default_value = "warn")]
     server_log: String,
@@ -236,151 +264,219 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    let a = Args::parse();
-    if !nix::unistd::Uid::effective().is_root() {
-        bail!("the benchmark runs the server in network namespaces: run it as root");
-    }
-    if a.sets == 0 || a.policies == 0 || a.endpoints == 0 {
-        bail!("--sets, --policies and --endpoints must be at least 1");
-    }
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let dir = dphandler_tests::tempdir()?;
-    let ns = Netns::new("benchpol")?;
-    ns.run("ip", &["link", "set", "lo", "up"])?;
-    let daemon = Daemon::start(
-        &ns,
-        &dir.path().join("dp.sock"),
-        &["--log", &a.server_log, "--ipv6", "false"],
-    )?;
-    let mut client = daemon.connect().await?;
-    let mut feed = Feed::open(&mut client).await?;
+/// The two real workloads among the synthetic ones (request/response).
+const RR: [(&str, &str); 2] = [("calirr1", "10.200.0.1"), ("calirr2", "10.200.0.2")];
+const RR_PORT: u16 = 7000;
 
-    // 1. Cold start.
-    let msgs = cold_start(&a);
-    let n_msgs = msgs.len();
-    let started = Instant::now();
-    let mut last = 0;
-    for m in msgs {
-        last = feed.send(m)?;
+/// The real workloads' policy: tcp/7000 in, everything out.
+fn rr_messages() -> Vec<Payload> {
+    let id = felix::PolicyId {
+        name: "default.rr".into(),
+        ..Default::default()
+    };
+    let mut out = vec![Payload::ActivePolicyUpdate(felix::ActivePolicyUpdate {
+        id: Some(id.clone()),
+        policy: Some(felix::Policy {
+            tier: "default".into(),
+            inbound_rules: vec![felix::Rule {
+                action: "allow".into(),
+                protocol: tcp(),
+                dst_ports: port(RR_PORT as usize),
+                ..Default::default()
+            }],
+            outbound_rules: vec![felix::Rule {
+                action: "allow".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+    })];
+    for (i, (name, addr)) in RR.iter().enumerate() {
+        out.push(Payload::WorkloadEndpointUpdate(
+            felix::WorkloadEndpointUpdate {
+                id: Some(felix::WorkloadEndpointId {
+                    orchestrator_id: "k8s".into(),
+                    workload_id: format!("rr/pod-{i}"),
+                    endpoint_id: "eth0".into(),
+                }),
+                endpoint: Some(felix::WorkloadEndpoint {
+                    state: "active".into(),
+                    name: name.to_string(),
+                    profile_ids: vec!["kns.ns0".into()],
+                    ipv4_nets: vec![format!("{addr}/32")],
+                    tiers: vec![felix::TierInfo {
+                        name: "default".into(),
+                        ingress_policies: vec![id.clone()],
+                        egress_policies: vec![id.clone()],
+                        default_action: "deny".into(),
+                    }],
+                    ..Default::default()
+                }),
+            },
+        ));
     }
-    let done = feed.until(last, Duration::from_secs(1800)).await?;
-    let ours = done - started;
-    let (rss_cold, _) = usage(daemon.pid())?;
+    out
+}
 
-    // What we programmed, read back, loaded by the raw tools elsewhere.
-    let sets = ns.run("ipset", &["save"])?.stdout;
-    let filter = ns.run("iptables-save", &["-t", "filter"])?.stdout;
-    let n_rules = String::from_utf8_lossy(&filter)
-        .lines()
-        .filter(|l| l.starts_with("-A "))
-        .count();
-    let n_chains = String::from_utf8_lossy(&filter)
-        .lines()
-        .filter(|l| l.starts_with(":dph-"))
-        .count();
-    let n_members = String::from_utf8_lossy(&sets)
-        .lines()
-        .filter(|l| l.starts_with("add "))
-        .count();
-    if let Some(d) = &a.dump_dir {
-        std::fs::create_dir_all(d)?;
-        std::fs::write(d.join("ipset.save"), &sets)?;
-        std::fs::write(d.join("filter.save"), &filter)?;
+/// Request/response transactions per second over one TCP connection
+/// from the first real workload to the second.
+fn request_response(from: &Netns, seconds: u64) -> Result<f64> {
+    use std::io::{Read, Write};
+    let to: std::net::SocketAddr = format!("{}:{RR_PORT}", RR[1].1).parse()?;
+    let ns = from.0.clone();
+    dphandler_tests::lab::in_ns(&ns, move || -> Result<f64> {
+        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 1];
+        // Warm up, then count.
+        for _ in 0..1000 {
+            s.write_all(b"x")?;
+            s.read_exact(&mut b)?;
+        }
+        let (started, mut n) = (Instant::now(), 0u64);
+        while started.elapsed() < Duration::from_secs(seconds) {
+            for _ in 0..100 {
+                s.write_all(b"x")?;
+                s.read_exact(&mut b)?;
+            }
+            n += 100;
+        }
+        Ok(n as f64 / started.elapsed().as_secs_f64())
+    })
+}
+
+/// `perf record` of every CPU while a phase runs: the share of the
+/// samples in the kernel's commit and in its validation walk.
+struct Perf {
+    child: std::process::Child,
+    file: std::path::PathBuf,
+}
+
+impl Perf {
+    fn start(dir: &std::path::Path, tag: &str) -> Option<Self> {
+        let file = dir.join(format!("perf-{tag}.data"));
+        let child = std::process::Command::new("perf")
+            .args(["record", "-q", "-a", "-g", "-e", "cpu-clock", "-o"])
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        Some(Self { child, file })
     }
-    let raw_ns = Netns::new("benchraw")?;
-    let raw_sets = timed(&raw_ns, "ipset", &["restore"], &sets)?;
-    let raw_filter = timed(&raw_ns, "iptables-restore", &["--wait"], &filter)?;
-    let raw_cold = raw_sets + raw_filter;
 
-    // 2. One policy changed: ours, and the raw one-chain rewrite.
-    let chain = "dph-pi-default.pol-1";
-    let chain_rules: Vec<String> = String::from_utf8_lossy(&filter)
-        .lines()
-        .filter(|l| l.starts_with(&format!("-A {chain} ")))
-        .map(str::to_string)
-        .collect();
-    let rewrite = format!(
-        "*filter\n:{chain} - [0:0]\n{}\nCOMMIT\n",
-        chain_rules.join("\n")
-    );
-    // Both are timed on a quiet machine: the server re-reads a table once,
-    // 5 s after its last write (at this scale iptables-save takes seconds),
-    // so each change first waits for that to be over.
-    let (mut ours_change, mut raw_change) = (Vec::new(), Vec::new());
-    for i in 0..a.changes {
-        tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;
-        let took = timed(
-            &raw_ns,
-            "iptables-restore",
-            &["--noflush", "--wait"],
-            rewrite.as_bytes(),
-        )?;
-        raw_change.push(took.as_secs_f64() * 1000.0);
-        let p = 1 + i * 7 % a.policies;
-        let t0 = Instant::now();
-        let seq = feed.send(policy(&a, p, 1 + i))?;
-        let at = feed.until(seq, Duration::from_secs(60)).await?;
-        ours_change.push((at - t0).as_secs_f64() * 1000.0);
-        eprintln!(
-            "policy change {}: ours {:.1} ms, raw {:.1} ms",
-            i + 1,
-            ours_change[i],
-            raw_change[i]
-        );
+    /// (share of samples under nf_tables_commit, share in the walk:
+    /// nft_chain_validate and below), in percent of all non-idle samples.
+    fn finish(mut self) -> Option<(f64, f64)> {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).ok()?;
+        self.child.wait().ok()?;
+        let out = std::process::Command::new("perf")
+            .args([
+                "report",
+                "--children",
+                "--stdio",
+                "--sort",
+                "symbol",
+                "-g",
+                "none",
+                "-i",
+            ])
+            .arg(&self.file)
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // Lines: "  children%  self%  [k] symbol  IPC columns".
+        let share = |sym: &str| -> f64 {
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter(|l| l.split_whitespace().nth(3) == Some(sym))
+                .filter_map(|l| {
+                    l.split_whitespace()
+                        .next()?
+                        .trim_end_matches('%')
+                        .parse()
+                        .ok()
+                })
+                .fold(0.0, f64::max)
+        };
+        // The idle loop's own samples (its children hold interrupts).
+        let idle = text
+            .lines()
+            .filter(|l| l.split_whitespace().nth(3) == Some("pv_native_safe_halt"))
+            .filter_map(|l| {
+                l.split_whitespace()
+                    .nth(1)?
+                    .trim_end_matches('%')
+                    .parse::<f64>()
+                    .ok()
+            })
+            .fold(0.0, f64::max);
+        let busy = (100.0 - idle).max(f64::MIN_POSITIVE);
+        let _ = std::fs::remove_file(&self.file);
+        Some((
+            100.0 * share("nf_tables_commit") / busy,
+            100.0 * share("nft_chain_validate") / busy,
+        ))
     }
-    drop(raw_ns);
+}
 
-    // 3. Churn at a steady rate, once the last change's re-read is over.
-    tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;
-    let h0 = client
-        .get_status(dphandler_proto::v1::GetStatusRequest {})
-        .await?
-        .into_inner()
-        .apply_histogram;
-    let (_, cpu0) = usage(daemon.pid())?;
-    let total = (a.churn_rate * a.churn_seconds) as usize;
+#[derive(Default)]
+struct Churn {
+    lat: Vec<f64>,
+    wall: f64,
+    kinds: BTreeMap<&'static str, usize>,
+    next_new: usize,
+    oldest_new: usize,
+}
+
+/// `rate` messages a second for `seconds`, the mix of the module's doc;
+/// each message's latency (sent → programmed).
+async fn churn(
+    a: &Args,
+    feed: &mut Feed,
+    state: &mut Churn,
+    seconds: u32,
+    salt: usize,
+) -> Result<()> {
+    let total = (a.churn_rate * seconds) as usize;
     let interval = Duration::from_secs_f64(1.0 / f64::from(a.churn_rate));
     let mut sent: BTreeMap<u64, Instant> = BTreeMap::new();
-    let mut lat: Vec<f64> = Vec::with_capacity(total);
-    let churn_started = Instant::now();
-    let mut next_new = a.endpoints;
-    let mut oldest_new = a.endpoints;
-    let mut i = 0usize;
+    let started = Instant::now();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut i = 0usize;
     while i < total || !sent.is_empty() {
         tokio::select! {
             _ = tick.tick(), if i < total => {
-                let (kind, msg) = match i % 10 {
+                let j = i + salt;
+                let (kind, msg) = match j % 10 {
                     0..5 => {
-                        let k = (i * 31) % a.sets;
-                        let base = 0x40_0000 + i * 2;
+                        let k = (j * 31) % a.sets;
+                        let base = 0x40_0000 + j * 2;
                         ("ip-set delta", Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
                             id: set_id(k),
                             added_members: vec![ip(base), ip(base + 1)],
-                            removed_members: vec![ip(k * (a.members / a.sets) + i % 10)],
+                            removed_members: vec![ip(k * (a.members / a.sets) + j % 10)],
                         }))
                     }
                     5 | 6 => {
-                        let w = (i * 13) % a.endpoints;
-                        ("endpoint changed", endpoint(w, (w + i) % a.policies, (w + 1) % a.policies))
+                        let w = (j * 13) % a.endpoints;
+                        ("endpoint changed", endpoint(w, (w + j) % a.policies, (w + 1) % a.policies))
                     }
                     7 => {
-                        next_new += 1;
-                        ("endpoint added", endpoint(next_new, i % a.policies, (i + 1) % a.policies))
+                        state.next_new += 1;
+                        ("endpoint added", endpoint(state.next_new, j % a.policies, (j + 1) % a.policies))
                     }
-                    8 if oldest_new < next_new => {
-                        oldest_new += 1;
+                    8 if state.oldest_new < state.next_new => {
+                        state.oldest_new += 1;
                         ("endpoint removed", Payload::WorkloadEndpointRemove(felix::WorkloadEndpointRemove {
-                            id: Some(workload_id(oldest_new)),
+                            id: Some(workload_id(state.oldest_new)),
                         }))
                     }
-                    _ => ("policy changed", policy(&a, (i * 17) % a.policies, i)),
+                    _ => ("policy changed", policy(a, (j * 17) % a.policies, j)),
                 };
-                *kinds.entry(kind).or_default() += 1;
+                *state.kinds.entry(kind).or_default() += 1;
                 let seq = feed.send(msg)?;
                 sent.insert(seq, Instant::now());
                 i += 1;
@@ -390,90 +486,478 @@ async fn main() -> Result<()> {
                 let done: Vec<u64> = sent.range(..=s).map(|(k, _)| *k).collect();
                 for k in done {
                     let t = sent.remove(&k).expect("present");
-                    lat.push((at - t).as_secs_f64() * 1000.0);
+                    state.lat.push((at - t).as_secs_f64() * 1000.0);
                 }
             }
         }
     }
-    let churn_wall = churn_started.elapsed().as_secs_f64();
-    let (rss_peak, cpu1) = usage(daemon.pid())?;
+    state.wall += started.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// What one dataplane's run measured.
+#[derive(Default)]
+struct Report {
+    programmed: String,
+    cold: f64,
+    raw_cold: f64,
+    raw_cold_how: String,
+    change: f64,
+    raw_change: f64,
+    member: f64,
+    raw_member: f64,
+    churn: Churn,
+    apply_p50: f64,
+    apply_p99: f64,
+    n_applies: u64,
+    cpu: f64,
+    rss_cold: u64,
+    rss_peak: u64,
+    rr: f64,
+    /// nftables: commits, validating commits, commit time p50/p99 (ms)
+    /// in the traced pass, and perf's shares.
+    commits: Option<(f64, f64, f64, f64)>,
+    perf: Option<(f64, f64)>,
+}
+
+/// The apply-time histogram's bounds (ms) at quantile `q`, from the
+/// server's cumulative buckets after minus before.
+fn hist_bound(after: &[(f64, u64)], q: f64) -> f64 {
+    let n = after.last().map_or(0, |b| b.1);
+    let want = ((n as f64 * q).ceil() as u64).max(1);
+    after
+        .iter()
+        .find(|(_, c)| *c >= want)
+        .map_or(f64::INFINITY, |b| b.0)
+}
+
+/// A Prometheus histogram's bound (ms) at quantile `q`, over what it
+/// counted between scrapes `m0` and `m1`.
+fn scraped_bound(
+    m0: &BTreeMap<String, f64>,
+    m1: &BTreeMap<String, f64>,
+    name: &str,
+    q: f64,
+) -> f64 {
+    let mut buckets: Vec<(f64, f64)> = m1
+        .iter()
+        .filter_map(|(k, v)| {
+            let le = k.strip_prefix(&format!("{name}_bucket{{"))?;
+            let le = le.split("le=\"").nth(1)?.split('"').next()?;
+            let before = m0.get(k).copied().unwrap_or(0.0);
+            Some((le.parse::<f64>().unwrap_or(f64::INFINITY), *v - before))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let n = buckets.last().map_or(0.0, |b| b.1);
+    let want = (n * q).ceil().max(1.0);
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= want)
+        .map_or(f64::INFINITY, |b| b.0 * 1000.0)
+}
+
+async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
+    let nft = dataplane == "nftables";
+    let mut r = Report::default();
+    let dir = dphandler_tests::tempdir()?;
+    let ns = Netns::new("benchpol")?;
+    ns.run("ip", &["link", "set", "lo", "up"])?;
+    let w1 = dphandler_tests::lab::workload_v4(&ns, RR[0].0, 1, RR[0].1)?;
+    let w2 = dphandler_tests::lab::workload_v4(&ns, RR[1].0, 2, RR[1].1)?;
+    let _echo = dphandler_tests::lab::echo(&w2.0, RR_PORT);
+    let daemon = Daemon::start(
+        &ns,
+        &dir.path().join("dp.sock"),
+        &[
+            "--log",
+            &a.server_log,
+            "--ipv6",
+            "false",
+            "--dataplane",
+            dataplane,
+        ],
+    )?;
+    let mut client = daemon.connect().await?;
+    let mut feed = Feed::open(&mut client).await?;
+
+    // 1. Cold start.
+    let mut msgs = cold_start(a);
+    let in_sync = msgs.pop().expect("InSync last");
+    msgs.extend(rr_messages());
+    msgs.push(in_sync);
+    let started = Instant::now();
+    let mut last = 0;
+    for m in msgs {
+        last = feed.send(m)?;
+    }
+    let done = feed.until(last, Duration::from_secs(1800)).await?;
+    r.cold = (done - started).as_secs_f64() * 1000.0;
+    r.rss_cold = usage(daemon.pid())?.0;
+
+    // What we programmed, read back, loaded by the raw tools elsewhere.
+    let raw_ns = Netns::new("benchraw")?;
+    let chain = "dph-pi-default.pol-1";
+    let rewrite: Vec<u8>;
+    if nft {
+        let rules = ns.run("nft", &["list", "ruleset"])?.stdout;
+        let text = String::from_utf8_lossy(&rules);
+        let n_rules = text.matches("comment \"dph:").count();
+        let n_chains = text.matches("\tchain ").count();
+        let n_sets = text.matches("\tset ").count();
+        r.programmed = format!("{n_chains} chains, {n_rules} rules, {n_sets} sets in our tables");
+        if let Some(d) = &a.dump_dir {
+            std::fs::create_dir_all(d)?;
+            std::fs::write(d.join("ruleset.nft"), &rules)?;
+        }
+        let took = timed(&raw_ns, "nft", &["-f", "-"], &rules)?;
+        r.raw_cold = took.as_secs_f64() * 1000.0;
+        r.raw_cold_how = "nft -f of nft list ruleset".into();
+        // One chain flushed and written again by nft.
+        let body: Vec<&str> = text
+            .split(&format!("chain {chain} {{"))
+            .nth(1)
+            .and_then(|t| t.split('}').next())
+            .unwrap_or_default()
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        rewrite = format!(
+            "flush chain ip dph-filter {chain}\ntable ip dph-filter {{\nchain {chain} {{\n{}\n}}\n}}\n",
+            body.join("\n")
+        )
+        .into_bytes();
+    } else {
+        let sets = ns.run("ipset", &["save"])?.stdout;
+        let filter = ns.run("iptables-save", &["-t", "filter"])?.stdout;
+        let text = String::from_utf8_lossy(&filter);
+        let n_rules = text.lines().filter(|l| l.starts_with("-A ")).count();
+        let n_chains = text.lines().filter(|l| l.starts_with(":dph-")).count();
+        let n_members = String::from_utf8_lossy(&sets)
+            .lines()
+            .filter(|l| l.starts_with("add "))
+            .count();
+        r.programmed = format!(
+            "{n_chains} chains of ours, {n_rules} rules in filter, {n_members} IP-set members"
+        );
+        if let Some(d) = &a.dump_dir {
+            std::fs::create_dir_all(d)?;
+            std::fs::write(d.join("ipset.save"), &sets)?;
+            std::fs::write(d.join("filter.save"), &filter)?;
+        }
+        let raw_sets = timed(&raw_ns, "ipset", &["restore"], &sets)?;
+        let raw_filter = timed(&raw_ns, "iptables-restore", &["--wait"], &filter)?;
+        r.raw_cold = (raw_sets + raw_filter).as_secs_f64() * 1000.0;
+        r.raw_cold_how = format!(
+            "ipset restore {:.0} + iptables-restore {:.0}",
+            raw_sets.as_secs_f64() * 1000.0,
+            raw_filter.as_secs_f64() * 1000.0
+        );
+        let chain_rules: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("-A {chain} ")))
+            .map(str::to_string)
+            .collect();
+        rewrite = format!(
+            "*filter\n:{chain} - [0:0]\n{}\nCOMMIT\n",
+            chain_rules.join("\n")
+        )
+        .into_bytes();
+    }
+
+    // 2. One policy changed, and 4. one IP-set member added: ours and
+    // the raw tool's, each after the server's post-write re-read is over.
+    let (mut ours_change, mut raw_change) = (Vec::new(), Vec::new());
+    let (mut ours_member, mut raw_member) = (Vec::new(), Vec::new());
+    for i in 0..a.changes {
+        tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;
+        let took = if nft {
+            timed(&raw_ns, "nft", &["-f", "-"], &rewrite)?
+        } else {
+            timed(
+                &raw_ns,
+                "iptables-restore",
+                &["--noflush", "--wait"],
+                &rewrite,
+            )?
+        };
+        raw_change.push(took.as_secs_f64() * 1000.0);
+        let p = 1 + i * 7 % a.policies;
+        let t0 = Instant::now();
+        let seq = feed.send(policy(a, p, 1 + i))?;
+        let at = feed.until(seq, Duration::from_secs(60)).await?;
+        ours_change.push((at - t0).as_secs_f64() * 1000.0);
+
+        let member = ip(0x60_0000 + i);
+        let took = if nft {
+            let set = dphandler_dataplane::model::ipsets::SetNames::new("dph")
+                .expect("valid")
+                .for_nftables()
+                .name(
+                    dphandler_dataplane::model::IpVersion::V4,
+                    &dphandler_dataplane::model::Id::new(&set_id(0)).expect("valid"),
+                );
+            let started = Instant::now();
+            raw_ns.run(
+                "nft",
+                &[
+                    "add",
+                    "element",
+                    "ip",
+                    "dph-filter",
+                    &set,
+                    &format!("{{ {member} }}"),
+                ],
+            )?;
+            started.elapsed()
+        } else {
+            let started = Instant::now();
+            raw_ns.run("ipset", &["add", "dph40s:set-0", &member])?;
+            started.elapsed()
+        };
+        raw_member.push(took.as_secs_f64() * 1000.0);
+        let t0 = Instant::now();
+        let seq = feed.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
+            id: set_id(0),
+            added_members: vec![member],
+            removed_members: vec![],
+        }))?;
+        let at = feed.until(seq, Duration::from_secs(60)).await?;
+        ours_member.push((at - t0).as_secs_f64() * 1000.0);
+        eprintln!(
+            "{dataplane}: policy change {}: ours {:.1} ms, raw {:.1} ms; member: ours {:.2} ms, raw {:.2} ms",
+            i + 1,
+            ours_change[i],
+            raw_change[i],
+            ours_member[i],
+            raw_member[i]
+        );
+    }
+    drop(raw_ns);
+    r.change = median(ours_change);
+    r.raw_change = median(raw_change);
+    r.member = median(ours_member);
+    r.raw_member = median(raw_member);
+
+    // 5. The packet path, on a quiet server.
+    r.rr = request_response(&w1, a.rr_seconds)?;
+
+    // 3. Churn at a steady rate, once the last change's re-read is over.
+    tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;
+    let h0 = client
+        .get_status(dphandler_proto::v1::GetStatusRequest {})
+        .await?
+        .into_inner()
+        .apply_histogram;
+    let (_, cpu0) = usage(daemon.pid())?;
+    r.churn.next_new = a.endpoints;
+    r.churn.oldest_new = a.endpoints;
+    churn(a, &mut feed, &mut r.churn, a.churn_seconds, 0).await?;
+    let (_, cpu1) = usage(daemon.pid())?;
+    r.cpu = (cpu1 - cpu0) / r.churn.wall;
     let st = client
         .get_status(dphandler_proto::v1::GetStatusRequest {})
         .await?
         .into_inner();
-    lat.sort_by(f64::total_cmp);
-    drop(feed);
-    daemon.stop()?;
-
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    println!(
-        "policy: {} endpoints, {} policies x {} rules, {} profiles, {} IP sets with {} members; \
-         {n_msgs} messages; IPv4; {cores} cores",
-        a.endpoints, a.policies, a.rules_per_policy, NAMESPACES, a.sets, a.members
-    );
-    println!(
-        "programmed: {n_chains} chains of ours, {n_rules} rules in filter, {n_members} IP-set members"
-    );
-    println!();
-    println!("| case | dphandler | raw tools, same run | ratio / difference | target |");
-    println!("|---|---|---|---|---|");
-    println!(
-        "| cold start, first message to InSync programmed | {:.0} ms | {:.0} ms (ipset restore {:.0} + iptables-restore {:.0}) | {:.2}x | <= 1.25x |",
-        ms(ours),
-        ms(raw_cold),
-        ms(raw_sets),
-        ms(raw_filter),
-        ours.as_secs_f64() / raw_cold.as_secs_f64()
-    );
-    let (oc, rc) = (median(ours_change), median(raw_change));
-    println!(
-        "| one policy changed, until programmed (median of {}) | {oc:.1} ms | {rc:.1} ms (one-chain iptables-restore --noflush) | raw {:+.1} ms | <= raw + 5 ms |",
-        a.changes,
-        oc - rc
-    );
-    println!(
-        "| churn {}/s for {} s: latency sent → programmed, p50 / p99 / max | {:.1} / {:.1} / {:.1} ms | | | p99 <= 100 ms |",
-        a.churn_rate,
-        a.churn_seconds,
-        percentile(&lat, 0.5),
-        percentile(&lat, 0.99),
-        lat.last().copied().unwrap_or(0.0)
-    );
-    // The churn's applies alone: the server's cumulative histogram, after
-    // minus before.
-    let churn_applies: Vec<(f64, u64)> = st
+    let hist: Vec<(f64, u64)> = st
         .apply_histogram
         .iter()
         .zip(&h0)
         .map(|(b, b0)| (b.le_ms, b.count - b0.count))
         .collect();
-    let n_applies = churn_applies.last().map_or(0, |b| b.1);
-    let bound = |q: f64| {
-        let want = (n_applies as f64 * q).ceil() as u64;
-        churn_applies
-            .iter()
-            .find(|(_, c)| *c >= want.max(1))
-            .map_or(f64::INFINITY, |b| b.0)
+    r.n_applies = hist.last().map_or(0, |b| b.1);
+    r.apply_p50 = hist_bound(&hist, 0.5);
+    r.apply_p99 = hist_bound(&hist, 0.99);
+
+    // The kernel's side: a second churn pass under perf, and (nftables)
+    // the daemon's commit counts and times over it.
+    let m0 = dphandler_tests::lab::scrape(&ns, 9091).unwrap_or_default();
+    let perf = Perf::start(dir.path(), dataplane);
+    let mut traced = Churn {
+        next_new: r.churn.next_new,
+        oldest_new: r.churn.oldest_new,
+        ..Default::default()
     };
-    let within = |ms: f64| churn_applies.iter().find(|b| b.0 == ms).map_or(0, |b| b.1);
+    churn(a, &mut feed, &mut traced, a.trace_seconds, 7).await?;
+    r.perf = perf.and_then(Perf::finish);
+    if nft {
+        let m1 = dphandler_tests::lab::scrape(&ns, 9091)?;
+        let d = |k: &str| m1.get(k).copied().unwrap_or(0.0) - m0.get(k).copied().unwrap_or(0.0);
+        let v = "{ip_version=\"4\"}";
+        r.commits = Some((
+            d(&format!("dphandler_nftables_commits_total{v}")),
+            d(&format!("dphandler_nftables_validating_commits_total{v}")),
+            scraped_bound(&m0, &m1, "dphandler_nftables_commit_seconds", 0.5),
+            scraped_bound(&m0, &m1, "dphandler_nftables_commit_seconds", 0.99),
+        ));
+    }
+    r.rss_peak = usage(daemon.pid())?.0;
+    drop(feed);
+    daemon.stop()?;
+    r.churn.lat.sort_by(f64::total_cmp);
+    Ok(r)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    if !nix::unistd::Uid::effective().is_root() {
+        bail!("the benchmark runs the server in network namespaces: run it as root");
+    }
+    if a.sets == 0 || a.policies == 0 || a.endpoints == 0 || a.changes == 0 {
+        bail!("--sets, --policies, --endpoints and --changes must be at least 1");
+    }
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut reports = Vec::new();
+    for d in &a.dataplanes {
+        if !["iptables", "nftables"].contains(&d.as_str()) {
+            bail!("--dataplanes: {d:?} is neither iptables nor nftables");
+        }
+        reports.push((d.clone(), run_one(&a, d).await?));
+    }
+
     println!(
-        "| churn: the server's apply time ({n_applies} applies) | p50 <= {} ms, p99 <= {} ms; {:.0}% within 100 ms, {:.0}% within 500 ms | | | p99 <= 100 ms |",
-        bound(0.5),
-        bound(0.99),
-        100.0 * within(100.0) as f64 / n_applies.max(1) as f64,
-        100.0 * within(500.0) as f64 / n_applies.max(1) as f64,
+        "policy: {} endpoints (+2 real ones), {} policies x {} rules, {} profiles, {} IP sets with {} members; IPv4; {cores} cores",
+        a.endpoints, a.policies, a.rules_per_policy, NAMESPACES, a.sets, a.members
     );
-    println!(
-        "| churn: server CPU | {:.2} cores | | | <= 0.5 core |",
-        (cpu1 - cpu0) / churn_wall
+    for (d, r) in &reports {
+        println!("{d}: programmed {}", r.programmed);
+    }
+    println!();
+    let names: Vec<&str> = reports.iter().map(|(d, _)| d.as_str()).collect();
+    println!("| case | {} | target (nftables) |", names.join(" | "));
+    println!("|---|{}---|", "---|".repeat(names.len()));
+    let row = |case: &str, cell: &dyn Fn(&Report) -> String, target: &str| {
+        let cells: Vec<String> = reports.iter().map(|(_, r)| cell(r)).collect();
+        println!("| {case} | {} | {target} |", cells.join(" | "));
+    };
+    let iptables_cold = reports
+        .iter()
+        .find(|(d, _)| d == "iptables")
+        .map(|(_, r)| r.cold);
+    row(
+        "cold start, first message to InSync programmed",
+        &|r| {
+            let vs =
+                iptables_cold.map_or(String::new(), |c| format!("; {:.2}x iptables", r.cold / c));
+            format!(
+                "{:.0} ms ({:.2}x raw: {:.0} ms, {}){vs}",
+                r.cold,
+                r.cold / r.raw_cold,
+                r.raw_cold,
+                r.raw_cold_how
+            )
+        },
+        "<= 1.0x iptables",
     );
-    println!(
-        "| peak RSS (after cold start / at the end) | {:.0} / {:.0} MiB | | | reported |",
-        rss_cold as f64 / 1024.0,
-        rss_peak as f64 / 1024.0
+    row(
+        &format!(
+            "one policy changed, until programmed (median of {})",
+            a.changes
+        ),
+        &|r| {
+            format!(
+                "{:.1} ms (raw one-chain rewrite {:.1} ms)",
+                r.change, r.raw_change
+            )
+        },
+        "<= 20 ms",
+    );
+    row(
+        &format!(
+            "one IP-set member added, until programmed (median of {})",
+            a.changes
+        ),
+        &|r| {
+            format!(
+                "{:.2} ms (raw one-element add {:.2} ms)",
+                r.member, r.raw_member
+            )
+        },
+        "<= 2 ms",
+    );
+    row(
+        &format!(
+            "churn {}/s for {} s: sent → programmed, p50 / p99 / max",
+            a.churn_rate, a.churn_seconds
+        ),
+        &|r| {
+            let l = &r.churn.lat;
+            format!(
+                "{:.1} / {:.1} / {:.1} ms",
+                percentile(l, 0.5),
+                percentile(l, 0.99),
+                l.last().copied().unwrap_or(0.0)
+            )
+        },
+        "p99 <= 100 ms",
+    );
+    row(
+        "churn: the server's apply time, p50 / p99 (histogram bounds)",
+        &|r| {
+            format!(
+                "<= {} / <= {} ms ({} applies)",
+                r.apply_p50, r.apply_p99, r.n_applies
+            )
+        },
+        "p99 <= 50 ms",
+    );
+    row(
+        "churn: server CPU",
+        &|r| format!("{:.2} cores", r.cpu),
+        "<= 0.3 core",
+    );
+    row(
+        &format!(
+            "kernel, traced churn ({} s): commits, validating, commit time p50 / p99",
+            a.trace_seconds
+        ),
+        &|r| match r.commits {
+            Some((n, v, p50, p99)) => format!(
+                "{n:.0} commits, {v:.0} validating ({:.0}%), <= {p50:.2} / <= {p99:.2} ms",
+                100.0 * v / n.max(1.0)
+            ),
+            None => "(iptables-restore: every write replaces rules)".into(),
+        },
+        "reported",
+    );
+    row(
+        "kernel, traced churn: share of busy CPU in nf_tables_commit / in the validation walk (perf)",
+        &|r| match r.perf {
+            Some((c, v)) => format!("{c:.1}% / {v:.1}%"),
+            None => "perf unavailable".into(),
+        },
+        "reported",
+    );
+    row(
+        &format!(
+            "packet path: TCP request/response between two workloads ({} s)",
+            a.rr_seconds
+        ),
+        &|r| format!("{:.0} transactions/s", r.rr),
+        "reported",
+    );
+    row(
+        "peak RSS (after cold start / at the end)",
+        &|r| {
+            format!(
+                "{:.0} / {:.0} MiB",
+                r.rss_cold as f64 / 1024.0,
+                r.rss_peak as f64 / 1024.0
+            )
+        },
+        "reported",
     );
     println!();
-    let mix: Vec<String> = kinds.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    println!("churn mix: {}", mix.join(", "));
+    for (d, r) in &reports {
+        let mix: Vec<String> = r
+            .churn
+            .kinds
+            .iter()
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        println!("{d} churn mix: {}", mix.join(", "));
+    }
     Ok(())
 }

@@ -392,13 +392,19 @@ impl DesiredKernel {
                 .backends_mut()
                 .filter(|b| b.phases().contains(&phase) && b.is_dirty(phase))
                 .collect();
+            let timed = |b: &mut dyn Backend| {
+                let started = std::time::Instant::now();
+                let r = b.apply(phase);
+                tracing::debug!(backend = b.name(), ?phase, elapsed = ?started.elapsed(), ok = r.is_ok(), "applied");
+                r
+            };
             let results: Vec<Result<ApplyOutcome, BackendError>> = match group.len() {
                 0 => continue,
-                1 => vec![group[0].apply(phase)],
+                1 => vec![timed(&mut *group[0])],
                 _ => std::thread::scope(|s| {
                     let handles: Vec<_> = group
                         .iter_mut()
-                        .map(|b| s.spawn(move || b.apply(phase)))
+                        .map(|b| s.spawn(move || timed(&mut **b)))
                         .collect();
                     handles
                         .into_iter()

@@ -170,6 +170,16 @@ pub const MAX_SET_NAME: usize = 31;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SetNames {
     prefix: String,
+    /// Names `nft` can parse back (`--dataplane nftables`): an id with a
+    /// character nft's identifiers do not take (`:@+=~`, as in Calico's
+    /// `s:…` ids) is named by its hash, so `nft list ruleset` output loads
+    /// again with `nft -f`.
+    nft: bool,
+}
+
+/// What an nft identifier may hold after its first letter.
+fn nft_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "/-_.".contains(c)
 }
 
 impl SetNames {
@@ -186,7 +196,14 @@ impl SetNames {
         }
         Ok(Self {
             prefix: prefix.to_string(),
+            nft: false,
         })
+    }
+
+    /// The same names, made for nftables (see the field).
+    pub fn for_nftables(mut self) -> Self {
+        self.nft = true;
+        self
     }
 
     pub fn prefix(&self) -> &str {
@@ -205,7 +222,9 @@ impl SetNames {
         use base64::Engine;
         use sha2::Digest;
         let head = format!("{}{}", self.prefix, Self::tag(v));
-        if head.len() + id.as_str().len() <= MAX_SET_NAME {
+        if head.len() + id.as_str().len() <= MAX_SET_NAME
+            && (!self.nft || id.as_str().chars().all(nft_char))
+        {
             return head + id.as_str();
         }
         let digest = sha2::Sha256::digest(id.as_str().as_bytes());
@@ -238,6 +257,21 @@ impl SetNames {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nftables_names_are_ones_nft_parses() {
+        let n = SetNames::new("dph").unwrap();
+        let id = Id::new("s:abc").unwrap();
+        assert_eq!(n.name(IpVersion::V4, &id), "dph40s:abc");
+        let nft = n.clone().for_nftables();
+        let name = nft.name(IpVersion::V4, &id);
+        assert!(
+            name.starts_with("dph40_") && name.chars().all(nft_char),
+            "{name}"
+        );
+        let plain = Id::new("all-ipam-pools").unwrap();
+        assert_eq!(nft.name(IpVersion::V4, &plain), "dph40all-ipam-pools");
+    }
 
     #[test]
     fn set_names() {

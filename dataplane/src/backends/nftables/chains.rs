@@ -3,6 +3,7 @@
 //! set ([`super::translate`]): plain data, read by the plan.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 
 use super::ops::{BaseChain, Hook};
 use super::translate::{Translated, translate};
@@ -18,7 +19,8 @@ use crate::model::IpVersion;
 pub struct DesiredChain {
     pub rules: Vec<Rule>,
     pub translated: Vec<Translated>,
-    pub comments: Vec<String>,
+    /// Shared with what the plan records as written (no copy per apply).
+    pub comments: Arc<[String]>,
 }
 
 impl DesiredChain {
@@ -30,7 +32,8 @@ impl DesiredChain {
         let comments = rule_hashes(name, &rules)
             .iter()
             .map(|h| format!("{}{h}", own.comment_prefix))
-            .collect();
+            .collect::<Vec<_>>()
+            .into();
         Ok(Self {
             rules,
             translated,
@@ -86,6 +89,12 @@ pub struct ChainTable {
     forced: BTreeSet<String>,
     /// Changed since the last successful write.
     pub(super) changed: bool,
+    /// Chains whose rules changed (nothing else did) since then.
+    pub(super) touched: BTreeSet<String>,
+    /// What is programmed may have changed (a chain added or removed, a
+    /// jump changed, the hooks, the forced chains): the next plan looks at
+    /// every chain.
+    pub(super) reshaped: bool,
 }
 
 impl ChainTable {
@@ -98,6 +107,8 @@ impl ChainTable {
             hooks: BTreeMap::new(),
             forced: BTreeSet::new(),
             changed: true,
+            touched: BTreeSet::new(),
+            reshaped: true,
         }
     }
 
@@ -139,6 +150,20 @@ impl RuleTable for ChainTable {
         }
         if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
             let chain = DesiredChain::new(name, rules, self.v6(), &self.own)?;
+            let same_jumps = self
+                .chains
+                .get(name)
+                .is_some_and(|old| old.targets().eq(chain.targets()));
+            if same_jumps {
+                self.touched.insert(name.to_string());
+            } else {
+                tracing::debug!(
+                    table = self.table,
+                    chain = name,
+                    "reshaped: a chain's jumps changed"
+                );
+                self.reshaped = true;
+            }
             self.chains.insert(name.to_string(), chain);
             self.changed = true;
         }
@@ -148,13 +173,21 @@ impl RuleTable for ChainTable {
     fn remove_chain(&mut self, name: &str) {
         if self.chains.remove(name).is_some() {
             self.forced.remove(name);
+            self.touched.remove(name);
             self.changed = true;
+            tracing::debug!(
+                table = self.table,
+                chain = name,
+                "reshaped: a chain removed"
+            );
+            self.reshaped = true;
         }
     }
 
     fn force(&mut self, name: &str) {
         if self.forced.insert(name.to_string()) {
             self.changed = true;
+            self.reshaped = true;
         }
     }
 
@@ -162,7 +195,7 @@ impl RuleTable for ChainTable {
         if base_chain(self.table, builtin).is_none() {
             return Err(RuleError::ChainName(builtin.to_string()));
         }
-        if self.hooks.get(builtin).map(|c| &c.rules) == Some(&rules) {
+        if self.hooks.get(builtin).map_or(&[][..], |c| &c.rules[..]) == &rules[..] {
             return Ok(());
         }
         if rules.is_empty() {
@@ -172,6 +205,8 @@ impl RuleTable for ChainTable {
             self.hooks.insert(builtin.to_string(), chain);
         }
         self.changed = true;
+        tracing::debug!(table = self.table, builtin, "reshaped: hooks changed");
+        self.reshaped = true;
         Ok(())
     }
 

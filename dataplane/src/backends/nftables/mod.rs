@@ -1,58 +1,73 @@
-//! The native nftables dataplane (`--dataplane nftables`, issue 19): work
-//! in progress. Built so far: [`netlink`], our own nf_tables messages
-//! over `netlink-sys` (tables; address, network and named-port
-//! `addr . proto . port` sets with their elements; interface → verdict
-//! maps (the dispatch); chains and rules from
-//! [`expr`]essions; one batch per commit; tables, chains with their hooks,
-//! rules with their handles and comments, sets and elements read back), and
-//! [`intervals`], the calc graph's CIDRs as the disjoint ranges an
-//! interval set holds, changed by difference; tested against the kernel
-//! (`tests/nftables_netns.rs`). Nothing selects this backend yet.
+//! The native nftables dataplane (`--dataplane nftables`, issue 19): the
+//! same managers and model as the iptables dataplane, programmed as
+//! nf_tables tables and sets over our own netlink messages.
+//!
+//! - [`translate`]: the managers' rules (iptables syntax from a strict
+//!   token set) as nf_tables expressions; anything without a translation
+//!   is refused whole. Every rule counts (a counter before its target).
+//! - [`chains`]: the desired chains of one table, translated as they are
+//!   set, with which changed and whether the table was reshaped.
+//! - [`sets`]: the desired IP sets and their uncommitted deltas.
+//! - [`plan`]: desired and observed in, one commit out ([`plan::plan`],
+//!   every chain; [`plan::plan_changes`], the changes alone).
+//! - [`dataplane`]: the backend (read back, plan, commit, adopt, repair).
+//! - [`netlink`], [`ops`], [`expr`], [`intervals`] and `wire`: the nf_tables
+//!   messages, tested against the kernel (`tests/nftables_netns.rs`,
+//!   `tests/nftables_dataplane.rs`).
 //!
 //! # Owns
-//! Only tables whose names start with the daemon's prefix (`dph-…`), in
-//! the `ip`, `ip6` and `inet` families; never another agent's table, and
-//! nothing is flushed at start: a restart reads its tables back and
-//! adopts them.
+//! Tables named `<prefix>-raw`, `-mangle`, `-nat` and `-filter` (and any
+//! other `<prefix>-…` table: an older layout's, removed) in the `ip` and
+//! `ip6` families, with everything in them. Never another agent's table;
+//! nothing is flushed at start: the tables are read back and adopted, and
+//! only what differs is written (a restart that finds them right writes
+//! nothing). On the refresh tick (`--iptables-refresh-seconds`,
+//! `--ipset-refresh-seconds`) they are read again and what was changed by
+//! hand is put back. With `--dataplane iptables` the daemon removes these
+//! tables once its own are in, and the other way round
+//! ([`super::cleanup`]).
 //!
-//! # Design for the validation walk
+//! # Layout
+//! One table per iptables table, base chains where iptables-nft hooks them
+//! (raw −300, mangle −150, nat −100/100 of type `nat`, filter 0), named
+//! after the built-in chain and holding our hook rules; the managers'
+//! chains as regular chains of the same names. Only chains a hook reaches
+//! are programmed. Each rule carries its hash comment (`<prefix>:<hash>`,
+//! chained over the chain's name as Felix does): equal comments, equal
+//! rules, so a read tells what is intact. Every IP set lives in the filter
+//! table (where `nft list` finds it, and so a policy that starts using a
+//! big set does not have to write it first); the other tables hold copies
+//! of those their rules use. `hash:ip` and `hash:ip,port` sets are hash
+//! sets of addresses or `addr . proto . port`; `hash:net` sets are
+//! interval sets of merged ranges. Port lists are constant interval sets
+//! named after their contents. An IP set id that `nft` cannot parse back
+//! (`s:…`) is named by its hash (`SetNames::for_nftables`), so `nft list
+//! ruleset` loads again with `nft -f`.
+//!
+//! # What each change costs
 //! The kernel validates a table at commit when a change in it carries a
-//! verdict (a rule with accept/drop/jump/goto, a `goto` map element), by
-//! walking every chain reachable from each of that table's base chains:
-//! ~0.23 µs per rule visited per hook. Data-only changes (set elements,
-//! data-map elements, `accept`/`drop` verdict-map elements) and deletions
-//! are not validated. Measured on this project's machines (kernel 6.18):
-//! an `accept` rule in a 3.3k-chain / 30k-rule table costs 7–13 ms of
-//! kernel time per commit, the same rule in a small table 0.24 ms, a set
-//! element 0.28 ms, a `goto` map element 14.7 ms. So:
+//! verdict (a rule with accept/drop/jump/goto or a mark set, a `goto` map
+//! element), by walking every chain reachable from each of the table's
+//! base chains (~0.23 µs per rule visited per hook); set elements and
+//! deletions are not validated (`../shared/reference/nftables-validation.md`,
+//! measured in the README's nftables section). So:
 //!
-//! | change | how it is written | costs |
+//! | change | written as | validation walk |
 //! |---|---|---|
-//! | IP-set member added/removed | a set element (hash sets; interval sets for nets, merged here, not by `nft`) | no walk: ~0.3 ms per commit |
-//! | endpoint added/removed | an element of the dispatch verdict map (`iifname → goto <endpoint chain>` once its chain exists; removal is data-only) | a walk of the *dispatch shard* only |
-//! | policy changed | its chain rewritten in the shard that holds it | a walk of that shard: shards are kept small (≤ ~2k rules), so ≤ ~0.5 ms |
-//! | policy moved between endpoints | the endpoints' chains, in their shards | one walk per touched shard |
+//! | IP-set member added/removed | set elements (ranges for nets, by difference) | none |
+//! | policy or profile changed | its chain flushed and written, in one commit | the table's |
+//! | endpoint added/removed | its chains and the dispatch chains | the table's |
+//! | nothing changed (refresh, restart) | nothing | none |
 //!
-//! Layout (per family; planned):
-//! - *Shard tables* `dph-s<N>`, each with its own base chains at its own
-//!   priority (`filter − 9 … filter − 1`) and a verdict map from interface
-//!   to endpoint chain (a jump cannot cross tables, so each shard holds the
-//!   chains of its endpoints and of the policies they use). An endpoint
-//!   lives in exactly one shard, chosen by a hash of its interface name.
-//! - A shard's verdict on a packet of one of its endpoints: `drop` is
-//!   final (a drop in any table ends the packet); "allowed" sets the accept
-//!   mark and `accept`s, which ends only that table.
-//! - `dph-final` (priority filter + 1): packets of our endpoints without the
-//!   accept mark are dropped (fail closed: an endpoint not yet in a shard's
-//!   map is dropped here).
-//! - Each chain is reached from one hook only (a graph reached from two
-//!   hooks is walked twice): forward and input get separate shards.
-//!
-//! Next steps, in order: set names `nft` can print (it cannot parse a name
-//! with `:`, as Calico's IP-set ids have); chains and rules (the
-//! iptables renderer's rules as nft expressions); the shard tables and the
-//! dispatch maps; the backend behind the managers (`--dataplane
-//! nftables`); the policy suite and the benchmark on both backends.
+//! One commit per apply for all tables of an IP version. When only chains'
+//! rules and set members changed, the plan looks at those alone
+//! ([`plan::plan_changes`]); otherwise at every chain. The walk is what is
+//! left: at issue 4's scale (320,000 rules in filter) every rule-writing
+//! commit walks all of filter. Sharding policy over several small tables
+//! (each with its own base chains; "allowed" carried by the accept mark to
+//! a last table; the dispatch as verdict maps) is the next step: measured
+//! in `bench/src/bin/nftables.rs`, a rule in a small table costs ~1 ms
+//! against ~26 ms in the big one.
 
 pub mod chains;
 pub mod dataplane;

@@ -549,9 +549,36 @@ impl NftNetlink {
     }
 
     /// The rules of `table`, in each chain's order.
+    ///
+    /// The kernel resumes a dump by skipping every rule it already sent,
+    /// from the first chain of the family on: one dump of 320,000 rules
+    /// took minutes (measured). Use [`Self::chain_rules`] per chain.
     pub fn rules(&mut self, family: Family, table: &str) -> Result<Vec<RuleInfo>, NftError> {
+        self.rule_dump(family, table, None)
+    }
+
+    /// The rules of one chain, in order (a dump filtered to the chain: its
+    /// cost grows with the chain, not the family).
+    pub fn chain_rules(
+        &mut self,
+        family: Family,
+        table: &str,
+        chain: &str,
+    ) -> Result<Vec<RuleInfo>, NftError> {
+        self.rule_dump(family, table, Some(chain))
+    }
+
+    fn rule_dump(
+        &mut self,
+        family: Family,
+        table: &str,
+        chain: Option<&str>,
+    ) -> Result<Vec<RuleInfo>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_RULE_TABLE, table);
+        if let Some(c) = chain {
+            attr_str(&mut a, NFTA_RULE_CHAIN, c);
+        }
         Ok(self
             .dump(NFT_MSG_GETRULE, family, &a)?
             .iter()

@@ -94,6 +94,9 @@ pub struct DesiredSets {
     /// ranges that went and came), by (table, set).
     pub(super) written_ranges: HashMap<(String, String), Vec<Range>>,
     pub(super) changed: bool,
+    /// A set was removed since the last commit (a full plan removes it
+    /// once no rule uses it).
+    pub(super) removed_any: bool,
 }
 
 impl DesiredSets {
@@ -105,6 +108,7 @@ impl DesiredSets {
             changes: HashMap::new(),
             written_ranges: HashMap::new(),
             changed: false,
+            removed_any: false,
         }
     }
 }
@@ -174,11 +178,17 @@ impl SetStore for DesiredSets {
         if self.sets.remove(name).is_some() {
             self.changes.remove(name);
             self.changed = true;
+            self.removed_any = true;
         }
     }
 }
 
 impl DesiredSets {
+    /// The IP version its sets are of.
+    pub fn version_of(&self) -> IpVersion {
+        self.version
+    }
+
     /// Folds `c` into the set's uncommitted change.
     fn merge(&mut self, name: &str, c: Change) {
         match (self.changes.get_mut(name), c) {
