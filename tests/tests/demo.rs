@@ -7,6 +7,22 @@ use anyhow::Result;
 use dphandler_tests::kernel;
 use dphandler_tests::{bin, privileged};
 
+/// The scenario's frontend set, with its two members, as the demo lists
+/// the kernel's sets (nftables names an id nft cannot parse, `s:…`, by
+/// its hash).
+fn assert_frontend_set(stdout: &str) {
+    assert!(
+        if kernel::nftables() {
+            stdout
+                .lines()
+                .any(|l| l.contains("dph40_") && l.contains("  2 members  ipv4_addr"))
+        } else {
+            stdout.contains("dph40s:frontend-pods        hash:ip       2 members")
+        },
+        "{stdout}"
+    );
+}
+
 /// The namespace the demo named in its output is gone.
 fn namespace_is_gone(stdout: &str) -> Result<()> {
     let ns = stdout
@@ -44,17 +60,7 @@ fn demo_runs_in_a_sandbox_and_cleans_up() -> Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("workload_endpoint     1"), "{stdout}");
-    // nftables names an id nft cannot parse (`s:…`) by its hash.
-    assert!(
-        if kernel::nftables() {
-            stdout
-                .lines()
-                .any(|l| l.contains("dph40_") && l.contains("  2 members  ipv4_addr"))
-        } else {
-            stdout.contains("dph40s:frontend-pods        hash:ip       2 members")
-        },
-        "{stdout}"
-    );
+    assert_frontend_set(&stdout);
     // Pod traffic between nodes: the VXLAN device, the other node's block
     // through its VTEP, this node's block as a blackhole.
     for want in [
@@ -97,17 +103,7 @@ fn demo_as_felix_goes_through_the_felix_driver() -> Result<()> {
         stdout.contains("\"workloadEndpointStatusUpdate\":{\"id\":{\"orchestratorId\":\"k8s\",\"workloadId\":\"shop/backend-0\""),
         "{stdout}"
     );
-    // nftables names an id nft cannot parse (`s:…`) by its hash.
-    assert!(
-        if kernel::nftables() {
-            stdout
-                .lines()
-                .any(|l| l.contains("dph40_") && l.contains("  2 members  ipv4_addr"))
-        } else {
-            stdout.contains("dph40s:frontend-pods        hash:ip       2 members")
-        },
-        "{stdout}"
-    );
+    assert_frontend_set(&stdout);
     assert!(stdout.contains("last programmed sequence 16"), "{stdout}");
     namespace_is_gone(&stdout)
 }

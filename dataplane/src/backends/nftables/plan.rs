@@ -21,7 +21,6 @@ use super::ops::{Family, Key, KeyType, Op, SetInfo};
 use super::sets::{Change, DesiredSets, key, kind, ranges};
 use super::translate::PortSet;
 use crate::backends::desired::RuleTable;
-use crate::model::ipsets::IpSetType;
 
 const NFT_SET_INTERVAL: u32 = 0x4;
 /// The table that holds every IP set (the others hold those their rules
@@ -99,6 +98,62 @@ fn set_info(name: &str, key: KeyType, interval: bool) -> SetInfo {
 fn same_kind(a: &SetInfo, b: &SetInfo) -> bool {
     let f = NFT_SET_INTERVAL | NFT_SET_MAP;
     a.key_type == b.key_type && a.key_len == b.key_len && a.flags & f == b.flags & f
+}
+
+/// The ops that take interval set `set` of `table` from ranges `gone` to
+/// ranges `came` (removals first).
+fn push_ranges(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    set: &str,
+    gone: Vec<Range>,
+    came: Vec<Range>,
+) {
+    if !gone.is_empty() {
+        out.push(Op::DestroyRanges {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            ranges: gone,
+        });
+    }
+    if !came.is_empty() {
+        out.push(Op::AddRanges {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            ranges: came,
+        });
+    }
+}
+
+/// The ops that remove `del` from and add `add` to hash set `set` of
+/// `table`.
+fn push_elements(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    set: &str,
+    del: Vec<Key>,
+    add: Vec<Key>,
+) {
+    if !del.is_empty() {
+        out.push(Op::DestroyElements {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            elements: del,
+        });
+    }
+    if !add.is_empty() {
+        out.push(Op::AddElements {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            elements: add,
+        });
+    }
 }
 
 /// The ops of one table, grouped by when they run in the batch.
@@ -367,7 +422,7 @@ impl TableCtx<'_> {
                     }
                 }
             } else {
-                self.set_update(s, d.meta.set_type, interval, st, ranges_out)?;
+                self.set_update(s, interval, st, ranges_out)?;
             }
             after.sets.insert(s.to_string(), info.clone());
         }
@@ -430,7 +485,6 @@ impl TableCtx<'_> {
     fn set_update(
         &self,
         s: &str,
-        set_type: IpSetType,
         interval: bool,
         st: &mut Stages,
         ranges_out: &mut HashMap<(String, String), Vec<Range>>,
@@ -457,26 +511,10 @@ impl TableCtx<'_> {
                 ranges(&d.members)
             };
             let (gone, came) = intervals::diff(&have, &want);
-            if !gone.is_empty() {
-                st.sets.push(Op::DestroyRanges {
-                    family,
-                    table: table.clone(),
-                    set: s.to_string(),
-                    ranges: gone,
-                });
-            }
-            if !came.is_empty() {
-                st.sets.push(Op::AddRanges {
-                    family,
-                    table: table.clone(),
-                    set: s.to_string(),
-                    ranges: came,
-                });
-            }
+            push_ranges(&mut st.sets, family, &table, s, gone, came);
             ranges_out.insert(rkey, want);
             return Ok(());
         }
-        let _ = set_type;
         let (add, del): (Vec<Key>, Vec<Key>) = match (read, change) {
             (Some(Content::Keys(have)), _) => {
                 let want: HashSet<Key> = d.members.iter().filter_map(key).collect();
@@ -497,22 +535,7 @@ impl TableCtx<'_> {
             ),
             (None, None) => return Ok(()),
         };
-        if !del.is_empty() {
-            st.sets.push(Op::DestroyElements {
-                family,
-                table: table.clone(),
-                set: s.to_string(),
-                elements: del,
-            });
-        }
-        if !add.is_empty() {
-            st.sets.push(Op::AddElements {
-                family,
-                table,
-                set: s.to_string(),
-                elements: add,
-            });
-        }
+        push_elements(&mut st.sets, family, &table, s, del, add);
         Ok(())
     }
 }
@@ -650,43 +673,13 @@ pub fn plan_changes(
                 let have = sets.written_ranges.get(&key)?;
                 let want = ranges(&d.members);
                 let (gone, came) = intervals::diff(have, &want);
-                if !gone.is_empty() {
-                    set_ops.push(Op::DestroyRanges {
-                        family,
-                        table: table.clone(),
-                        set: s.clone(),
-                        ranges: gone,
-                    });
-                }
-                if !came.is_empty() {
-                    set_ops.push(Op::AddRanges {
-                        family,
-                        table: table.clone(),
-                        set: s.clone(),
-                        ranges: came,
-                    });
-                }
+                push_ranges(&mut set_ops, family, table, s, gone, came);
                 out.ranges.insert(key, want);
                 continue;
             }
             let del: Vec<Key> = del.iter().filter_map(key).collect();
             let add: Vec<Key> = add.iter().filter_map(key).collect();
-            if !del.is_empty() {
-                set_ops.push(Op::DestroyElements {
-                    family,
-                    table: table.clone(),
-                    set: s.clone(),
-                    elements: del,
-                });
-            }
-            if !add.is_empty() {
-                set_ops.push(Op::AddElements {
-                    family,
-                    table: table.clone(),
-                    set: s.clone(),
-                    elements: add,
-                });
-            }
+            push_elements(&mut set_ops, family, table, s, del, add);
         }
     }
     out.ops = [flushes, set_ops, rules].concat();
@@ -700,7 +693,7 @@ mod tests {
     use crate::backends::ipsets::Meta;
     use crate::backends::iptables::{Ownership, Rule};
     use crate::model::IpVersion;
-    use crate::model::ipsets::{Member, SetNames};
+    use crate::model::ipsets::{IpSetType, Member, SetNames};
 
     fn r(s: &str) -> Rule {
         Rule::parse(s).unwrap()
