@@ -112,6 +112,14 @@ pub enum BackendError {
         #[source]
         source: nftables::netlink::NftError,
     },
+    /// The desired state cannot be programmed as it stands (a rule looks
+    /// up a set no manager defined yet). Retried: the next message may
+    /// complete it.
+    #[error("{backend}: {reason}")]
+    Inconsistent {
+        backend: &'static str,
+        reason: String,
+    },
     /// A failure scripted by a recording backend (tests only).
     #[error("{backend}: scripted failure on call {call}")]
     Scripted { backend: &'static str, call: usize },

@@ -295,7 +295,7 @@ impl Backend for Dataplane {
                             self.read()?
                         }
                         Err(e) => {
-                            return Err(BackendError::Parse {
+                            return Err(BackendError::Inconsistent {
                                 backend: self.name(),
                                 reason: e.to_string(),
                             });
