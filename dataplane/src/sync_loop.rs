@@ -760,8 +760,13 @@ impl SyncLoop {
         match result {
             Ok(outcome) => {
                 // A backend that was not due in this apply keeps the time it
-                // asked for earlier (a device read again for handshakes).
-                let new = outcome.reschedule_after.map(|d| Instant::now() + d);
+                // asked for earlier (a device read again for handshakes);
+                // one with a read under way is looked at again, dirty or not.
+                let wake = match (outcome.reschedule_after, kernel.wake_after()) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let new = wake.map(|d| Instant::now() + d);
                 self.reschedule_at = match (self.reschedule_at, new) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),

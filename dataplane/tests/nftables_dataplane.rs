@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 mod common;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use common::{Netns, privileged};
 use dphandler_dataplane::backends::ipsets::Meta;
 use dphandler_dataplane::backends::iptables::Rule;
@@ -181,15 +181,60 @@ fn chains_and_sets_are_programmed_adopted_repaired_and_removed() -> Result<()> {
         "dph40blocked",
         "{ 10.0.0.2 }",
     ])?;
+    // A port put into our port list, and our POSTROUTING hook made again
+    // at another priority.
+    let ports = nft(&["list", "table", "ip", "dph-filter"])?
+        .lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("set ")
+                .and_then(|r| r.strip_suffix(" {"))
+        })
+        .find(|n| n.starts_with("ports-"))
+        .map(str::to_owned)
+        .context("our port list")?;
+    nft(&["add", "element", "ip", "dph-filter", &ports, "{ 22 }"])?;
+    nft(&["flush", "chain", "ip", "dph-nat", "POSTROUTING"])?;
+    nft(&["delete", "chain", "ip", "dph-nat", "POSTROUTING"])?;
+    nft(&[
+        "add",
+        "chain",
+        "ip",
+        "dph-nat",
+        "POSTROUTING",
+        "{ type nat hook postrouting priority 50 ; }",
+    ])?;
     ensure!(!d.is_dirty(Phase::Tables), "nothing changed on our side");
     d.request_resync(Refresh::Iptables);
     apply(&mut d)?;
+    // The read runs on its own thread (its own socket, opened in the
+    // namespace with the first); the repair comes with the apply after it.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while d.reading() && !d.is_dirty(Phase::Tables) {
+        ensure!(
+            std::time::Instant::now() < until,
+            "the refresh read never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    apply(&mut d)?;
+    ensure!(!d.reading(), "the read was taken in");
     let repaired = nft(&["list", "table", "ip", "dph-filter"])?;
     ensure!(
         repaired.contains("ip saddr @dph40blocked counter packets 0 bytes 0 drop")
             && !repaired.contains("\n\t\taccept\n")
             && repaired.contains("10.0.0.2"),
         "{repaired}"
+    );
+    let port_list = nft(&["list", "set", "ip", "dph-filter", &ports])?;
+    ensure!(
+        port_list.contains("80, 443, 8000-8080") && !port_list.contains(" 22"),
+        "the port put there by hand is gone: {port_list}"
+    );
+    let hook = nft(&["list", "chain", "ip", "dph-nat", "POSTROUTING"])?;
+    ensure!(
+        hook.contains("priority srcnat;") && hook.contains("jump dph-nat-outgoing"),
+        "the hook is back at its priority with its rule: {hook}"
     );
 
     // Every set is in the filter table, used or not.

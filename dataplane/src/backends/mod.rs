@@ -246,6 +246,11 @@ pub trait Backend: Send {
     /// and what the kernel counts into [`crate::metrics::KernelReadings`].
     /// Called after every apply; no I/O.
     fn export(&self, _m: &crate::metrics::Metrics) {}
+    /// When to look at this backend again though nothing is dirty yet (a
+    /// read running on another thread, to be taken in when it is done).
+    fn wake_after(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// All backend objects, filled by the managers during
@@ -382,6 +387,11 @@ impl DesiredKernel {
         for b in self.backends_mut() {
             b.export(m);
         }
+    }
+
+    /// The soonest any backend wants to be looked at again unasked.
+    pub fn wake_after(&mut self) -> Option<Duration> {
+        self.backends_mut().filter_map(|b| b.wake_after()).min()
     }
 
     pub fn request_resync(&mut self, refresh: Refresh) {

@@ -5,9 +5,16 @@
 //! read back at start (adopting what a previous run left: nothing is
 //! written where it already matches, so a restart has no gap), after a
 //! failed commit, and on every refresh tick (what was changed by hand is
-//! put back).
+//! put back). The refresh reads run on a thread of their own, over a
+//! second socket ([`NetlinkKernel`]): at 30,000 chains and 1M elements a
+//! read takes seconds, which the applies go on spending on the calc
+//! graph's messages. A read that a commit overtook is not trusted (it may
+//! have seen half of it): it is read again, and after three overtaken
+//! reads in a row the next apply reads in place (so constant churn cannot
+//! put a repair off for ever).
 
-use std::time::Instant;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use tracing::{debug, info, instrument, warn};
 
@@ -20,7 +27,7 @@ use super::plan::{
 use super::sets::DesiredSets;
 use crate::backends::desired::{RuleTable, SetStore};
 use crate::backends::iptables::Ownership;
-use crate::backends::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
+use crate::backends::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
 use crate::model::IpVersion;
 use crate::model::ipsets::SetNames;
 
@@ -29,6 +36,15 @@ pub const TABLES: [&str; 4] = ["raw", "mangle", "nat", "filter"];
 
 const NAME_V4: &str = "nftables-v4";
 const NAME_V6: &str = "nftables-v6";
+
+/// How often a read running on its own thread is looked for.
+const READ_POLL: Duration = Duration::from_millis(50);
+/// Refresh reads a commit may overtake in a row before one is made in
+/// place.
+const MAX_OVERTAKEN: u32 = 3;
+
+/// A read of our tables that can run on another thread.
+pub type DetachedRead = Box<dyn FnOnce() -> Result<(Observed, Contents), NftError> + Send>;
 
 /// The kernel side: commits and reads. [`NftNetlink`] in the daemon.
 pub trait NftKernel: Send + std::fmt::Debug {
@@ -40,6 +56,54 @@ pub trait NftKernel: Send + std::fmt::Debug {
         family: Family,
         chain_prefix: &str,
     ) -> Result<(Observed, Contents), NftError>;
+    /// The same read, to run on another thread while commits go on (None:
+    /// reads block the apply).
+    fn detached_read(&self, _family: Family, _chain_prefix: &str) -> Option<DetachedRead> {
+        None
+    }
+}
+
+/// The daemon's kernel: one socket for commits, and a second one, opened
+/// with it (so in the same network namespace), for the refresh reads that
+/// run beside them.
+#[derive(Debug)]
+pub struct NetlinkKernel {
+    writer: NftNetlink,
+    reader: Arc<Mutex<NftNetlink>>,
+}
+
+impl NetlinkKernel {
+    pub fn open() -> Result<Self, NftError> {
+        Ok(Self {
+            writer: NftNetlink::open()?,
+            reader: Arc::new(Mutex::new(NftNetlink::open()?)),
+        })
+    }
+}
+
+impl NftKernel for NetlinkKernel {
+    fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
+        self.writer.commit(ops)
+    }
+
+    fn read(
+        &mut self,
+        family: Family,
+        chain_prefix: &str,
+    ) -> Result<(Observed, Contents), NftError> {
+        NftKernel::read(&mut self.writer, family, chain_prefix)
+    }
+
+    fn detached_read(&self, family: Family, chain_prefix: &str) -> Option<DetachedRead> {
+        let reader = Arc::clone(&self.reader);
+        let prefix = chain_prefix.to_owned();
+        Some(Box::new(move || {
+            // A read that panicked left nothing half-done in the socket
+            // that a new dump would trip over: take it back.
+            let mut r = reader.lock().unwrap_or_else(PoisonError::into_inner);
+            NftKernel::read(&mut *r, family, &prefix)
+        }))
+    }
 }
 
 impl NftKernel for NftNetlink {
@@ -122,6 +186,15 @@ pub struct Dataplane {
     observed: Option<Observed>,
     /// Set contents from the read not yet used by a plan.
     contents: Option<Contents>,
+    /// A refresh tick asked for a read.
+    refresh_due: bool,
+    /// The refresh read running on its own thread, and how many commits
+    /// had been tried when it began.
+    background: Option<BackgroundRead<(Observed, Contents)>>,
+    /// Commits tried (a read begun before the last one may be stale).
+    attempts: u64,
+    /// Refresh reads overtaken by a commit in a row.
+    overtaken: u32,
     commits: u64,
     /// Those that added rules: the kernel validated them by walking the
     /// table (set elements alone are not walked).
@@ -167,6 +240,10 @@ impl Dataplane {
             kernel,
             observed: None,
             contents: None,
+            refresh_due: false,
+            background: None,
+            attempts: 0,
+            overtaken: 0,
             commits: 0,
             validating: 0,
             exported: std::sync::atomic::AtomicU64::new(0),
@@ -176,14 +253,82 @@ impl Dataplane {
         }
     }
 
-    /// Opens the daemon's netlink socket.
+    /// Opens the daemon's netlink sockets.
     pub fn open(version: IpVersion, prefix: &str, names: SetNames) -> Result<Self, NftError> {
         Ok(Self::new(
             version,
             prefix,
             names,
-            Box::new(NftNetlink::open()?),
+            Box::new(NetlinkKernel::open()?),
         ))
+    }
+
+    /// A refresh read is running on its own thread.
+    pub fn reading(&self) -> bool {
+        self.background.is_some()
+    }
+
+    /// Starts the refresh read: on its own thread where the kernel allows
+    /// and there is something to compare it with; else in this apply.
+    fn start_read(&mut self) {
+        if self.background.is_some() {
+            return; // one at a time; a finished one is collected first
+        }
+        let job = self.observed.as_ref().and_then(|_| {
+            self.kernel
+                .detached_read(self.family(), &self.own.chain_prefix)
+        });
+        let Some(job) = job else {
+            self.observed = None;
+            return;
+        };
+        let backend = self.name();
+        debug!(backend, "refresh read started");
+        self.background = Some(BackgroundRead::spawn(self.attempts, move || {
+            job().map_err(|source| BackendError::Nftables { backend, source })
+        }));
+    }
+
+    /// Takes in a finished refresh read: adopted when no commit was tried
+    /// since it began (the next plan is a full one against it: what was
+    /// changed by hand is put back); read again otherwise.
+    fn collect_read(&mut self) {
+        if !self
+            .background
+            .as_ref()
+            .is_some_and(BackgroundRead::is_finished)
+        {
+            return;
+        }
+        let b = self.background.take().expect("checked above");
+        let began = b.writes;
+        match b.join(self.name()) {
+            Ok(_) if self.observed.is_none() => {} // read in place anyway
+            Ok((observed, contents)) if began == self.attempts => {
+                debug!(tables = observed.len(), "refresh read adopted");
+                self.overtaken = 0;
+                self.counts = count(&observed);
+                self.observed = Some(observed);
+                self.contents = Some(contents);
+            }
+            Ok(_) if self.overtaken < MAX_OVERTAKEN => {
+                self.overtaken += 1;
+                debug!(
+                    overtaken = self.overtaken,
+                    "refresh read overtaken by a commit: read again"
+                );
+                self.start_read();
+            }
+            Ok(_) => {
+                debug!("refresh reads keep being overtaken: reading in the apply");
+                self.overtaken = 0;
+                self.observed = None;
+            }
+            Err(e) => {
+                warn!(error = %e, "refresh read failed: reading in the apply");
+                self.observed = None;
+            }
+        }
     }
 
     pub fn family(&self) -> Family {
@@ -249,19 +394,37 @@ impl Backend for Dataplane {
     }
 
     fn is_dirty(&self, _phase: Phase) -> bool {
-        self.observed.is_none() || self.sets.changed || self.tables.iter().any(|t| t.changed)
+        self.observed.is_none()
+            || self.refresh_due
+            || self.sets.changed
+            || self.tables.iter().any(|t| t.changed)
+            || self
+                .background
+                .as_ref()
+                .is_some_and(BackgroundRead::is_finished)
     }
 
     fn request_resync(&mut self, refresh: Refresh) {
         if matches!(refresh, Refresh::Iptables | Refresh::IpSets) {
-            self.observed = None;
+            self.refresh_due = true;
         }
+    }
+
+    fn wake_after(&self) -> Option<Duration> {
+        self.background.as_ref().map(|_| READ_POLL)
     }
 
     #[instrument(skip_all, fields(backend = self.name()))]
     fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
+        self.collect_read();
+        if std::mem::take(&mut self.refresh_due) {
+            self.start_read();
+        }
         if self.observed.is_none() {
             self.read()?;
+        }
+        if self.contents.is_none() && !self.sets.changed && !self.tables.iter().any(|t| t.changed) {
+            return Ok(ApplyOutcome::default()); // a read under way, nothing else
         }
         let family = self.family();
         let planning = Instant::now();
@@ -308,6 +471,9 @@ impl Backend for Dataplane {
         debug!(elapsed = ?planning.elapsed(), incremental = matches!(after, After::Patched(..)), "planned");
         let started = Instant::now();
         let n = ops.len();
+        if n > 0 {
+            self.attempts += 1;
+        }
         if let Err(e) = self.kernel.commit(&ops) {
             warn!(error = %e, ops = n, "nftables commit refused; reading back");
             self.observed = None;
@@ -427,5 +593,158 @@ impl Backend for Dataplane {
                 )
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::backends::ipsets::Meta;
+    use crate::backends::iptables::Rule;
+    use crate::model::ipsets::{IpSetType, Member};
+
+    /// Commits are recorded and make what the kernel holds; the refresh
+    /// reads on other threads wait for a go each and return what the
+    /// kernel held when they were let go.
+    #[derive(Debug)]
+    struct Fake {
+        commits: Arc<Mutex<Vec<usize>>>,
+        held: Arc<Mutex<(Observed, Contents)>>,
+        go: Arc<Mutex<mpsc::Receiver<()>>>,
+        detached: Arc<Mutex<u32>>,
+    }
+
+    impl NftKernel for Fake {
+        fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
+            self.commits.lock().unwrap().push(ops.len());
+            Ok(())
+        }
+        fn read(&mut self, _: Family, _: &str) -> Result<(Observed, Contents), NftError> {
+            Ok(self.held.lock().unwrap().clone())
+        }
+        fn detached_read(&self, _: Family, _: &str) -> Option<DetachedRead> {
+            *self.detached.lock().unwrap() += 1;
+            let (go, held) = (Arc::clone(&self.go), Arc::clone(&self.held));
+            Some(Box::new(move || {
+                go.lock().unwrap().recv().expect("a go");
+                Ok(held.lock().unwrap().clone())
+            }))
+        }
+    }
+
+    fn finish(d: &Dataplane) {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !d
+            .background
+            .as_ref()
+            .is_some_and(BackgroundRead::is_finished)
+        {
+            assert!(Instant::now() < until, "the read never finished");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A refresh read does not hold up the applies; one a commit overtook
+    /// is read again, and the one adopted repairs what it found.
+    #[test]
+    fn refresh_reads_run_beside_the_applies() {
+        let (tx, rx) = mpsc::channel();
+        let commits = Arc::new(Mutex::new(Vec::new()));
+        let detached = Arc::new(Mutex::new(0));
+        let held = Arc::new(Mutex::new((Observed::new(), Contents::new())));
+        let fake = Fake {
+            commits: Arc::clone(&commits),
+            held: Arc::clone(&held),
+            go: Arc::new(Mutex::new(rx)),
+            detached: Arc::clone(&detached),
+        };
+        let names = SetNames::new("dph").unwrap();
+        let mut d = Dataplane::new(IpVersion::V4, "dph", names, Box::new(fake));
+        let filter = d.tables.iter_mut().find(|t| t.table() == "filter").unwrap();
+        filter
+            .set_chain(
+                "dph-a",
+                vec![Rule::parse("-m set --match-set dph40s src -j DROP").unwrap()],
+            )
+            .unwrap();
+        filter
+            .set_hooks("FORWARD", vec![Rule::parse("-j dph-a").unwrap()])
+            .unwrap();
+        let ip = |s: &str| Member::Ip(s.parse().unwrap());
+        let meta = Meta {
+            set_type: IpSetType::Ip,
+            maxelem: 10,
+        };
+        d.sets
+            .replace("dph40s".into(), meta, [ip("10.0.0.1")].into());
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(
+            commits.lock().unwrap().len(),
+            1,
+            "the first apply writes it all"
+        );
+        let written = d.observed.clone().unwrap();
+
+        // The refresh: the read starts and the apply returns at once.
+        d.request_resync(Refresh::Iptables);
+        assert!(d.is_dirty(Phase::Tables));
+        d.apply(Phase::Tables).unwrap();
+        assert!(d.reading() && d.wake_after() == Some(READ_POLL));
+        assert!(
+            !d.is_dirty(Phase::Tables),
+            "nothing to do until the read is done"
+        );
+        // A member meanwhile is written at once (and overtakes the read).
+        d.sets.delta(
+            "dph40s",
+            &mut [ip("10.0.0.2")].into_iter(),
+            &mut std::iter::empty(),
+        );
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(commits.lock().unwrap().len(), 2);
+
+        // The overtaken read is dropped and a new one started.
+        tx.send(()).unwrap();
+        finish(&d);
+        assert!(d.is_dirty(Phase::Tables));
+        d.apply(Phase::Tables).unwrap();
+        assert!(d.reading(), "read again");
+        assert_eq!(*detached.lock().unwrap(), 2);
+        assert_eq!(
+            commits.lock().unwrap().len(),
+            2,
+            "nothing written on a stale read"
+        );
+
+        // The kernel lost our tables meanwhile (a hand flush): the read
+        // that no commit overtook is adopted, and what it found missing
+        // is put back.
+        *held.lock().unwrap() = (Observed::new(), Contents::new());
+        tx.send(()).unwrap();
+        finish(&d);
+        d.apply(Phase::Tables).unwrap();
+        assert!(!d.reading());
+        assert_eq!(commits.lock().unwrap().len(), 3, "repaired");
+        assert_eq!(d.observed.as_ref().map(|o| o.len()), Some(written.len()));
+
+        // Reads that commits keep overtaking give way to one in place.
+        for n in 0..=MAX_OVERTAKEN {
+            if n == 0 {
+                d.request_resync(Refresh::IpSets);
+                d.apply(Phase::Tables).unwrap();
+            }
+            d.sets.delta(
+                "dph40s",
+                &mut [ip(&format!("10.0.1.{n}"))].into_iter(),
+                &mut std::iter::empty(),
+            );
+            d.apply(Phase::Tables).unwrap();
+            tx.send(()).unwrap();
+            finish(&d);
+            d.apply(Phase::Tables).unwrap();
+        }
+        assert!(!d.reading(), "the last one was read in place");
     }
 }

@@ -281,6 +281,15 @@ impl NftNetlink {
                         elements_attr(&mut a, table, set, elements);
                         (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
                     }
+                    Op::DestroyIntervals {
+                        family,
+                        table,
+                        set,
+                        elements,
+                    } => {
+                        elements_attr(&mut a, table, set, elements);
+                        (NFT_MSG_DESTROYSETELEM, 0, *family)
+                    }
                     Op::DestroyRanges {
                         family,
                         table,

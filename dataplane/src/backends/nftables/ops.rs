@@ -228,6 +228,13 @@ pub enum Op {
         set: String,
         elements: Vec<(Key, bool)>,
     },
+    /// Elements removed from such a set (one put there by hand).
+    DestroyIntervals {
+        family: Family,
+        table: String,
+        set: String,
+        elements: Vec<(Key, bool)>,
+    },
     /// Ranges removed from an interval set.
     DestroyRanges {
         family: Family,
@@ -380,6 +387,15 @@ pub(super) fn describe(op: &Op) -> String {
             elements,
             ..
         } => format!("adding {} interval keys to {table}/{set}", elements.len()),
+        Op::DestroyIntervals {
+            table,
+            set,
+            elements,
+            ..
+        } => format!(
+            "removing {} interval keys from {table}/{set}",
+            elements.len()
+        ),
         Op::AddVerdictMap { table, map, .. } => format!("adding map {table}/{map}"),
         Op::AddVerdicts {
             table,

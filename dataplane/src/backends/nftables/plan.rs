@@ -59,6 +59,9 @@ pub enum Content {
 /// The sets' contents as read, by (table, set).
 pub type Contents = HashMap<(String, String), Content>;
 
+/// A port list's element: a key, and whether it ends an interval.
+type IntervalKey = (Key, bool);
+
 /// Why no commit can be planned. Retrying helps once the managers' state
 /// or the kernel's changes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -332,6 +335,37 @@ impl TableCtx<'_> {
                     });
                     true
                 }
+                Some(o) if o.hook != hook => {
+                    // A base chain made again by hand at another hook or
+                    // priority (or a chain of ours made a base chain):
+                    // emptied, removed and made anew (nothing can jump to
+                    // a base chain, so nothing holds it).
+                    for op in [
+                        Op::FlushChain {
+                            family,
+                            table: table.clone(),
+                            chain: name.to_string(),
+                        },
+                        Op::DestroyChain {
+                            family,
+                            table: table.clone(),
+                            chain: name.to_string(),
+                        },
+                    ] {
+                        st.flushes.push(op);
+                    }
+                    st.chains.push(Op::AddChain {
+                        family,
+                        table: table.clone(),
+                        chain: name.to_string(),
+                        base: if *base {
+                            base_chain(self.table.table(), name)
+                        } else {
+                            None
+                        },
+                    });
+                    true
+                }
                 Some(o) if o.comments != c.comments || uses_retyped => {
                     st.flushes.push(Op::FlushChain {
                         family,
@@ -356,7 +390,7 @@ impl TableCtx<'_> {
             after.chains.insert(
                 name.to_string(),
                 ObservedChain {
-                    hook: o.map_or(hook, |o| o.hook),
+                    hook,
                     comments: c.comments.clone(),
                 },
             );
@@ -432,17 +466,23 @@ impl TableCtx<'_> {
             let read = self
                 .contents
                 .and_then(|c| c.get(&(table.clone(), p.to_string())));
-            // Changed by hand (its name says what it must hold): what is
-            // missing is added back; it cannot be removed and made anew
-            // while rules use it.
-            let sorted = |mut v: Vec<(Key, bool)>| {
-                v.sort();
-                v
-            };
-            let damaged = read.is_some_and(|r| match r {
-                Content::Intervals(have) => sorted(have.clone()) != sorted(elements.clone()),
-                _ => true,
-            });
+            // Changed by hand (its name says what it must hold): what was
+            // put there is taken out, what is missing added back (it
+            // cannot be removed and made anew while rules use it).
+            let (extra, missing): (Vec<IntervalKey>, Vec<IntervalKey>) =
+                match (obs.sets.contains_key(*p), read) {
+                    (false, _) => (Vec::new(), elements),
+                    (true, Some(Content::Intervals(have))) => (
+                        have.iter()
+                            .filter(|e| !elements.contains(e))
+                            .copied()
+                            .collect(),
+                        elements.into_iter().filter(|e| !have.contains(e)).collect(),
+                    ),
+                    // Read as another kind: ours cannot be; rewrite it all.
+                    (true, Some(_)) => (Vec::new(), elements),
+                    (true, None) => (Vec::new(), Vec::new()),
+                };
             if !obs.sets.contains_key(*p) {
                 st.sets.push(Op::AddSet {
                     family,
@@ -452,12 +492,20 @@ impl TableCtx<'_> {
                     interval: true,
                 });
             }
-            if !obs.sets.contains_key(*p) || damaged {
+            if !extra.is_empty() {
+                st.sets.push(Op::DestroyIntervals {
+                    family,
+                    table: table.clone(),
+                    set: p.to_string(),
+                    elements: extra,
+                });
+            }
+            if !missing.is_empty() {
                 st.sets.push(Op::AddIntervals {
                     family,
                     table: table.clone(),
                     set: p.to_string(),
-                    elements,
+                    elements: missing,
                 });
             }
             after
@@ -758,6 +806,41 @@ mod tests {
         // Planned again against what it leaves: nothing to do.
         let again = plan(Family::Ip, "dph-", &tables, &sets, &p.after, None).unwrap();
         assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+    }
+
+    /// A base chain found at another priority (made again by hand) is
+    /// removed and made anew with its rules; the rest stays.
+    #[test]
+    fn a_hook_at_the_wrong_priority_is_made_again() {
+        let (mut tables, mut sets) = state();
+        let p = plan(Family::Ip, "dph-", &tables, &sets, &Observed::new(), None).unwrap();
+        committed(&mut tables, &mut sets);
+        let mut read = p.after.clone();
+        let forward = read
+            .get_mut("dph-filter")
+            .and_then(|t| t.chains.get_mut("FORWARD"))
+            .unwrap();
+        let (hook, priority) = forward.hook.unwrap();
+        forward.hook = Some((hook, priority + 10));
+        forward.comments = Vec::new().into();
+        let contents: Contents = [(
+            ("dph-filter".to_string(), "dph40s".to_string()),
+            Content::Keys([Key::Addr("10.0.0.1".parse().unwrap())].into()),
+        )]
+        .into();
+        let again = plan(Family::Ip, "dph-", &tables, &sets, &read, Some(&contents)).unwrap();
+        assert_eq!(
+            names(&again.ops),
+            [
+                "flushing chain dph-filter/FORWARD",
+                "removing chain dph-filter/FORWARD",
+                "adding chain dph-filter/FORWARD",
+                "adding rule \"dph:zF1jByNAP998x14n\" to dph-filter/FORWARD",
+            ]
+            .map(String::from)
+            .to_vec()
+        );
+        assert_eq!(again.after, p.after, "as first written");
     }
 
     #[test]

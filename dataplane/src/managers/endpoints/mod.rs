@@ -188,6 +188,12 @@ pub struct EndpointsManager {
     resolved: crate::managers::hosts::Resolved,
     /// The status last reported per endpoint.
     reported: BTreeMap<WorkloadEndpointId, &'static str>,
+    /// Endpoints whose status may have changed since the last report (an
+    /// update, a removal, their interface): only these are looked at, so a
+    /// report costs what changed, not the node's 10,000 endpoints.
+    status_due: BTreeSet<WorkloadEndpointId>,
+    /// Workload endpoints by interface name (for link events).
+    by_name: HashMap<String, BTreeSet<WorkloadEndpointId>>,
     reported_hosts: BTreeMap<HostEndpointId, &'static str>,
     /// The chains each owner set, per table index.
     owned: HashMap<Owner, Vec<(usize, String)>>,
@@ -276,6 +282,8 @@ impl EndpointsManager {
             host_links: Default::default(),
             resolved: crate::managers::hosts::Resolved::default(),
             reported: BTreeMap::new(),
+            status_due: BTreeSet::new(),
+            by_name: HashMap::new(),
             reported_hosts: BTreeMap::new(),
             encap: crate::model::Encapsulation::default(),
             wg_config: std::collections::BTreeMap::new(),
@@ -286,6 +294,16 @@ impl EndpointsManager {
 
     /// Index (or unindex) a workload's policy and profile references.
     fn index(&mut self, id: &WorkloadEndpointId, ep: &WorkloadEndpoint, add: bool) {
+        self.status_due.insert(id.clone());
+        let named = self.by_name.entry(ep.name.as_str().to_owned()).or_default();
+        if add {
+            named.insert(id.clone());
+        } else {
+            named.remove(id);
+            if named.is_empty() {
+                self.by_name.remove(ep.name.as_str());
+            }
+        }
         let pols = ep
             .tiers
             .iter()
@@ -476,7 +494,7 @@ impl EndpointsManager {
     }
 
     fn on_link_change(&mut self, name: &str) {
-        self.dirty.routes |= self.endpoints.values().any(|e| e.name.as_str() == name);
+        self.dirty.routes |= self.by_name.contains_key(name);
         self.dirty.statics |= !self.hosts.is_empty();
     }
 }
@@ -609,7 +627,18 @@ impl Manager for EndpointsManager {
     }
 
     fn on_interface(&mut self, event: &crate::interfaces::InterfaceEvent) {
+        use crate::interfaces::InterfaceEvent as E;
         let c = self.host_links.apply(event);
+        // Up, down, gone or renamed: the status of the endpoints on it.
+        let named = match event {
+            E::Link { name, .. } | E::LinkRemoved { name, .. } => Some(name.as_str()),
+            _ => None,
+        };
+        for name in named.into_iter().chain(c.links.iter().map(String::as_str)) {
+            if let Some(ids) = self.by_name.get(name) {
+                self.status_due.extend(ids.iter().cloned());
+            }
+        }
         // A link came or went: its routes can go in, a host endpoint may
         // now police it (up/down alone only changes the status).
         for name in &c.links {
@@ -623,7 +652,13 @@ impl Manager for EndpointsManager {
     fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
         use crate::sync_loop::StatusEvent;
         let mut out = Vec::new();
-        for (id, ep) in &self.endpoints {
+        for id in std::mem::take(&mut self.status_due) {
+            let Some(ep) = self.endpoints.get(&id) else {
+                if self.reported.remove(&id).is_some() {
+                    out.push(StatusEvent::WorkloadEndpointStatusRemove { id });
+                }
+                continue;
+            };
             let link_up = self
                 .host_links
                 .links
@@ -635,23 +670,10 @@ impl Manager for EndpointsManager {
             } else {
                 "down"
             };
-            if self.reported.get(id) != Some(&status) {
+            if self.reported.get(&id) != Some(&status) {
                 self.reported.insert(id.clone(), status);
-                out.push(StatusEvent::WorkloadEndpointStatus {
-                    id: id.clone(),
-                    status,
-                });
+                out.push(StatusEvent::WorkloadEndpointStatus { id, status });
             }
-        }
-        let gone: Vec<WorkloadEndpointId> = self
-            .reported
-            .keys()
-            .filter(|id| !self.endpoints.contains_key(*id))
-            .cloned()
-            .collect();
-        for id in gone {
-            self.reported.remove(&id);
-            out.push(StatusEvent::WorkloadEndpointStatusRemove { id });
         }
         // Host endpoints, as Felix: up when it polices at least one
         // interface and all of them are up (the all-interfaces one: up);

@@ -898,3 +898,56 @@ fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
         ["10.65.0.2"]
     );
 }
+
+/// Status is reported for what changed only: an update, its interface
+/// going up or down, a removal; a report with nothing new says nothing.
+#[test]
+fn status_reports_follow_endpoints_and_their_links() {
+    use crate::interfaces::InterfaceEvent as E;
+    use crate::sync_loop::StatusEvent as S;
+    let mut m = mgr();
+    let wid = |iface: &str| WorkloadEndpointId {
+        orchestrator: id("k8s"),
+        workload: id(&format!("ns/{iface}")),
+        endpoint: id("eth0"),
+    };
+    let status = |m: &mut EndpointsManager| -> Vec<String> {
+        m.status_changes()
+            .into_iter()
+            .map(|e| match e {
+                S::WorkloadEndpointStatus { id, status } => format!("{} {status}", id.workload),
+                S::WorkloadEndpointStatusRemove { id } => format!("{} gone", id.workload),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    };
+    m.on_update(&wep("cali1", vec![], &[], EndpointState::Active));
+    m.on_update(&wep("cali2", vec![], &[], EndpointState::Active));
+    assert_eq!(status(&mut m), ["ns/cali1 down", "ns/cali2 down"]);
+    assert!(status(&mut m).is_empty(), "nothing changed, nothing said");
+    let link = |name: &str, index: u32, up: bool| E::Link {
+        index,
+        name: name.into(),
+        up,
+        mtu: 1500,
+    };
+    m.on_interface(&link("cali2", 7, true));
+    m.on_interface(&link("eth9", 8, true));
+    assert_eq!(status(&mut m), ["ns/cali2 up"]);
+    m.on_interface(&link("cali2", 7, false));
+    assert_eq!(status(&mut m), ["ns/cali2 down"]);
+    m.on_interface(&link("cali2", 7, true));
+    m.on_update(&wep("cali2", vec![], &[], EndpointState::Down));
+    assert!(
+        status(&mut m).is_empty(),
+        "up, then the endpoint down: as reported"
+    );
+    m.on_update(&wep("cali2", vec![], &[], EndpointState::Active));
+    assert_eq!(status(&mut m), ["ns/cali2 up"]);
+    m.on_update(&Update::Remove(Key::WorkloadEndpoint(wid("cali1"))));
+    m.on_interface(&E::LinkRemoved {
+        index: 7,
+        name: "cali2".into(),
+    });
+    assert_eq!(status(&mut m), ["ns/cali1 gone", "ns/cali2 down"]);
+}
