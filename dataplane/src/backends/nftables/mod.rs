@@ -84,6 +84,15 @@
 //!   (established flows, the ICMPv6 router exceptions, failsafes, what raw
 //!   or mangle already accepted) has to become a mark the shards and the
 //!   last table honour — a mark bit beyond Felix's accept/pass/scratch.
+//!
+//! Tried and measured, not kept: the workload dispatch as one verdict map
+//! per direction (`iifname vmap`, a `goto` per interface) in place of the
+//! prefix tree of interface rules. The walk got slower — the kernel
+//! validates every element of a `goto` map from every hook that reaches
+//! it: one policy change at 10,000 endpoints went from 96 to 152 ms — and
+//! the packet path did not change (26,546 against 28,497 request/response
+//! transactions a second). The policy benchmark at 100,000 members, same
+//! day, both builds.
 
 pub mod chains;
 pub mod dataplane;

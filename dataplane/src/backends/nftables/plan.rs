@@ -321,18 +321,15 @@ impl TableCtx<'_> {
             } else {
                 None
             };
+            let add_chain = || Op::AddChain {
+                family,
+                table: table.clone(),
+                chain: name.to_string(),
+                base: base.then(|| base_chain(self.table.table(), name)).flatten(),
+            };
             let rewrite = match o {
                 None => {
-                    st.chains.push(Op::AddChain {
-                        family,
-                        table: table.clone(),
-                        chain: name.to_string(),
-                        base: if *base {
-                            base_chain(self.table.table(), name)
-                        } else {
-                            None
-                        },
-                    });
+                    st.chains.push(add_chain());
                     true
                 }
                 Some(o) if o.hook != hook => {
@@ -354,16 +351,7 @@ impl TableCtx<'_> {
                     ] {
                         st.flushes.push(op);
                     }
-                    st.chains.push(Op::AddChain {
-                        family,
-                        table: table.clone(),
-                        chain: name.to_string(),
-                        base: if *base {
-                            base_chain(self.table.table(), name)
-                        } else {
-                            None
-                        },
-                    });
+                    st.chains.push(add_chain());
                     true
                 }
                 Some(o) if o.comments != c.comments || uses_retyped => {
