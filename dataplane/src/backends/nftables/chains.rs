@@ -18,16 +18,23 @@ use crate::model::IpVersion;
 #[derive(Debug, Clone, PartialEq)]
 pub struct DesiredChain {
     pub rules: Vec<Rule>,
-    pub translated: Vec<Translated>,
+    /// Shared between rules of the same text ([`Interned`]).
+    pub translated: Vec<Arc<Translated>>,
     /// Shared with what the plan records as written (no copy per apply).
     pub comments: Arc<[String]>,
 }
 
 impl DesiredChain {
-    fn new(name: &str, rules: Vec<Rule>, v6: bool, own: &Ownership) -> Result<Self, RuleError> {
+    fn new(
+        name: &str,
+        rules: Vec<Rule>,
+        v6: bool,
+        own: &Ownership,
+        interned: &mut Interned,
+    ) -> Result<Self, RuleError> {
         let translated = rules
             .iter()
-            .map(|r| translate(r.text(), v6).map_err(|e| RuleError::Nftables(e.to_string())))
+            .map(|r| interned.translate(r.text(), v6))
             .collect::<Result<Vec<_>, _>>()?;
         let comments = rule_hashes(name, &rules)
             .iter()
@@ -44,6 +51,53 @@ impl DesiredChain {
     /// The chains its rules jump or go to.
     pub fn targets(&self) -> impl Iterator<Item = &str> {
         self.translated.iter().filter_map(|t| t.target.as_deref())
+    }
+}
+
+/// Translations by rule text, shared: most of a node's rules are the same
+/// few lines in every endpoint's chain (conntrack, marks, returns, the
+/// drop), and at 320,000 rules a translation each was a third of the
+/// daemon's memory. Entries no chain holds any more are let go once the
+/// map has doubled, or as many rules as it kept were let go, since the
+/// last look.
+#[derive(Debug, Clone, Default)]
+pub struct Interned {
+    by_text: std::collections::HashMap<String, Arc<Translated>>,
+    kept_at_last_prune: usize,
+    /// Rules of chains replaced or removed since then.
+    dropped: usize,
+}
+
+impl Interned {
+    fn translate(&mut self, text: &str, v6: bool) -> Result<Arc<Translated>, RuleError> {
+        if let Some(t) = self.by_text.get(text) {
+            return Ok(Arc::clone(t));
+        }
+        let t = Arc::new(translate(text, v6).map_err(|e| RuleError::Nftables(e.to_string()))?);
+        self.by_text.insert(text.to_string(), Arc::clone(&t));
+        Ok(t)
+    }
+
+    /// Lets go of the translations only this map holds, when it has grown
+    /// enough since the last time for the look to be worth it.
+    fn prune(&mut self, dropped: usize) {
+        self.dropped += dropped;
+        let floor = self.kept_at_last_prune + 1024;
+        if self.by_text.len() < self.kept_at_last_prune + floor && self.dropped < floor {
+            return;
+        }
+        self.by_text.retain(|_, t| Arc::strong_count(t) > 1);
+        self.kept_at_last_prune = self.by_text.len();
+        self.dropped = 0;
+    }
+
+    /// Distinct translations held.
+    pub fn len(&self) -> usize {
+        self.by_text.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_text.is_empty()
     }
 }
 
@@ -95,6 +149,7 @@ pub struct ChainTable {
     /// jump changed, the hooks, the forced chains): the next plan looks at
     /// every chain.
     pub(super) reshaped: bool,
+    interned: Interned,
 }
 
 impl ChainTable {
@@ -109,6 +164,7 @@ impl ChainTable {
             changed: true,
             touched: BTreeSet::new(),
             reshaped: true,
+            interned: Interned::default(),
         }
     }
 
@@ -149,7 +205,8 @@ impl RuleTable for ChainTable {
             return Err(RuleError::ChainName(name.to_string()));
         }
         if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
-            let chain = DesiredChain::new(name, rules, self.v6(), &self.own)?;
+            let v6 = self.v6();
+            let chain = DesiredChain::new(name, rules, v6, &self.own, &mut self.interned)?;
             let same_jumps = self
                 .chains
                 .get(name)
@@ -164,14 +221,18 @@ impl RuleTable for ChainTable {
                 );
                 self.reshaped = true;
             }
-            self.chains.insert(name.to_string(), chain);
+            let old = self.chains.insert(name.to_string(), chain);
             self.changed = true;
+            self.interned.prune(old.map_or(0, |o| o.translated.len()));
         }
         Ok(())
     }
 
     fn remove_chain(&mut self, name: &str) {
-        if self.chains.remove(name).is_some() {
+        if let Some(old) = self.chains.remove(name) {
+            let n = old.translated.len();
+            drop(old);
+            self.interned.prune(n);
             self.forced.remove(name);
             self.touched.remove(name);
             self.changed = true;
@@ -201,7 +262,8 @@ impl RuleTable for ChainTable {
         if rules.is_empty() {
             self.hooks.remove(builtin);
         } else {
-            let chain = DesiredChain::new(builtin, rules, self.v6(), &self.own)?;
+            let v6 = self.v6();
+            let chain = DesiredChain::new(builtin, rules, v6, &self.own, &mut self.interned)?;
             self.hooks.insert(builtin.to_string(), chain);
         }
         self.changed = true;
@@ -229,6 +291,39 @@ mod tests {
 
     fn r(s: &str) -> Rule {
         Rule::parse(s).unwrap()
+    }
+
+    /// The same rule text in many chains is translated once; what no
+    /// chain holds any more is let go.
+    #[test]
+    fn translations_are_shared_and_let_go() {
+        let mut t = ChainTable::new("filter", IpVersion::V4, Ownership::new("dph"));
+        for i in 0..3000 {
+            t.set_chain(
+                &format!("dph-tw-{i}"),
+                vec![
+                    r("-m conntrack --ctstate INVALID -j DROP"),
+                    r(&format!("-j dph-pi-{i}")),
+                ],
+            )
+            .unwrap();
+        }
+        let a = &t.chains["dph-tw-1"].translated[0];
+        let b = &t.chains["dph-tw-2"].translated[0];
+        assert!(Arc::ptr_eq(a, b), "one translation for one text");
+        assert_ne!(
+            t.chains["dph-tw-1"].translated[1],
+            t.chains["dph-tw-2"].translated[1]
+        );
+        assert!(t.interned.len() <= 3001, "{}", t.interned.len());
+        for i in 0..3000 {
+            t.remove_chain(&format!("dph-tw-{i}"));
+        }
+        assert!(
+            t.interned.len() < 1024 + 2,
+            "let go once unused: {}",
+            t.interned.len()
+        );
     }
 
     #[test]
