@@ -98,8 +98,8 @@ impl NftKernel for NetlinkKernel {
         let reader = Arc::clone(&self.reader);
         let prefix = chain_prefix.to_owned();
         Some(Box::new(move || {
-            // A read that panicked left nothing half-done in the socket
-            // that a new dump would trip over: take it back.
+            // A read that panicked poisons the lock; the socket is still
+            // good (each dump skips replies to an earlier sequence).
             let mut r = reader.lock().unwrap_or_else(PoisonError::into_inner);
             NftKernel::read(&mut *r, family, &prefix)
         }))

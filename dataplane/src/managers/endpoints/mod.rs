@@ -292,7 +292,8 @@ impl EndpointsManager {
         }
     }
 
-    /// Index (or unindex) a workload's policy and profile references.
+    /// Index (or unindex) a workload: its policy and profile references
+    /// and its interface name; its status is due for a look.
     fn index(&mut self, id: &WorkloadEndpointId, ep: &WorkloadEndpoint, add: bool) {
         self.status_due.insert(id.clone());
         let named = self.by_name.entry(ep.name.as_str().to_owned()).or_default();
