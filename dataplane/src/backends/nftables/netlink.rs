@@ -277,18 +277,19 @@ impl NftNetlink {
                         table,
                         set,
                         elements,
-                    } => {
-                        elements_attr(&mut a, table, set, elements);
-                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
                     }
-                    Op::DestroyIntervals {
+                    | Op::DestroyIntervals {
                         family,
                         table,
                         set,
                         elements,
                     } => {
                         elements_attr(&mut a, table, set, elements);
-                        (NFT_MSG_DESTROYSETELEM, 0, *family)
+                        if matches!(chunk.as_ref(), Op::AddIntervals { .. }) {
+                            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                        } else {
+                            (NFT_MSG_DESTROYSETELEM, 0, *family)
+                        }
                     }
                     Op::DestroyRanges {
                         family,
