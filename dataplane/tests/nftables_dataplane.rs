@@ -80,7 +80,14 @@ fn want(d: &mut Dataplane) {
 }
 
 fn open(ns: &Netns) -> Result<Dataplane> {
-    Ok(ns.within(|| Dataplane::open(IpVersion::V4, "dph", SetNames::new("dph").unwrap()))?)
+    Ok(ns.within(|| {
+        Dataplane::open(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            Default::default(),
+        )
+    })?)
 }
 
 fn apply(d: &mut Dataplane) -> Result<()> {

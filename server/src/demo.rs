@@ -442,26 +442,36 @@ fn nft_sets(listing: &str) -> Vec<(String, String, usize)> {
 
 fn show_nftables(ns: &str) -> anyhow::Result<()> {
     for family in ["ip", "ip6"] {
-        let list = |table: &str| -> anyhow::Result<String> {
+        let nft = |args: &[&str]| -> anyhow::Result<String> {
             let out = Command::new("ip")
-                .args(["netns", "exec", ns, "nft", "list", "table", family, table])
+                .args(["netns", "exec", ns, "nft"])
+                .args(args)
                 .output()
                 .context("running nft in the sandbox")?;
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         };
-        let filter = list("dph-filter")?;
-        println!("IP sets in the sandbox's kernel (nft list table {family} dph-filter):");
-        for (name, ty, n) in nft_sets(&filter) {
-            if !name.starts_with("ports-") {
-                println!("  {name:<28}{n:>3} members  {ty}");
-            }
-        }
-        println!("nft list table {family} dph-filter, our chains and rules:");
-        for l in filter
+        // filter, and the shards that hold the workloads' policy.
+        let tables = nft(&["list", "tables", family])?;
+        let filters: Vec<&str> = tables
             .lines()
-            .filter(|l| l.trim_start().starts_with("chain ") || l.contains("comment \"dph:"))
-        {
-            println!("  {}", l.trim());
+            .filter_map(|l| l.split_whitespace().nth(2))
+            .filter(|t| *t == "dph-filter" || t.starts_with("dph-filter-"))
+            .collect();
+        for table in filters {
+            let listing = nft(&["list", "table", family, table])?;
+            println!("IP sets in the sandbox's kernel (nft list table {family} {table}):");
+            for (name, ty, n) in nft_sets(&listing) {
+                if !name.starts_with("ports-") {
+                    println!("  {name:<28}{n:>3} members  {ty}");
+                }
+            }
+            println!("nft list table {family} {table}, our chains and rules:");
+            for l in listing.lines().filter(|l| {
+                let l = l.trim_start();
+                l.starts_with("chain ") || l.contains("comment \"dph:") || l.contains(" vmap ")
+            }) {
+                println!("  {}", l.trim());
+            }
         }
     }
     Ok(())

@@ -13,6 +13,7 @@ use dphandler_dataplane::backends::iptables::restore::{
 };
 use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
 use dphandler_dataplane::backends::nftables::Dataplane;
+use dphandler_dataplane::backends::nftables::shards::ShardLayout;
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
 use dphandler_dataplane::backends::rules::{Rules, netlink::RuleNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
@@ -146,6 +147,12 @@ struct ServeArgs {
     /// passed everything the iptables one does).
     #[arg(long, env = "DPH_DATAPLANE", default_value = "auto", value_parser = ["auto", "iptables", "nftables"])]
     dataplane: String,
+    /// nftables: how many tables workload policy is spread over (each
+    /// workload's chains, with copies of the policy chains and IP sets
+    /// they use, in one), so that a rule change makes the kernel check one
+    /// small table rather than all of filter. 0 or 1: all in filter.
+    #[arg(long, env = "DPH_NFTABLES_SHARDS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=32))]
+    nftables_shards: u32,
     /// iptables flavour: auto (detect which one the host uses), nft or legacy.
     #[arg(long, env = "DPH_IPTABLES_BACKEND", default_value = "auto")]
     iptables_backend: FlavorChoice,
@@ -585,8 +592,16 @@ async fn serve(
         };
         if nftables {
             kernel.nftables.push(
-                Dataplane::open(v, &args.prefix, names.clone())
-                    .context("opening the nftables netlink socket")?,
+                Dataplane::open(
+                    v,
+                    &args.prefix,
+                    names.clone(),
+                    ShardLayout {
+                        marks,
+                        shards: args.nftables_shards as usize,
+                    },
+                )
+                .context("opening the nftables netlink socket")?,
             );
             // An earlier run's iptables chains, hooks and sets go once the
             // nftables tables are in (tables before the sets they use).
@@ -611,7 +626,7 @@ async fn serve(
             }
             // An earlier run's nftables tables go once the iptables ones
             // are in.
-            match Dataplane::open(v, &args.prefix, names.clone()) {
+            match Dataplane::open(v, &args.prefix, names.clone(), ShardLayout::default()) {
                 Ok(d) => kernel
                     .others
                     .push(Box::new(Cleanup::new(this, vec![Box::new(d)]))),

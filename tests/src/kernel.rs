@@ -8,8 +8,27 @@ use anyhow::Result;
 
 use crate::Netns;
 
-/// The tables an nftables daemon keeps, one per iptables table.
+/// The tables an nftables daemon keeps, one per iptables table (filter
+/// with its shards, `dph-filter-<n>`).
 const TABLES: [&str; 4] = ["raw", "mangle", "nat", "filter"];
+
+/// Our nftables tables for iptables table `table`: `dph-<table>`, and for
+/// filter its shards.
+fn nft_tables(ns: &Netns, v6: bool, table: &str) -> Result<Vec<String>> {
+    let out = ns.run("nft", &["list", "tables", family(v6)])?;
+    let main = format!("dph-{table}");
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|t| {
+            *t == main
+                || t.strip_prefix(&main)
+                    .and_then(|r| r.strip_prefix('-'))
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_string)
+        .collect())
+}
 
 /// Whether the daemons under test program nftables.
 pub fn nftables() -> bool {
@@ -24,13 +43,16 @@ fn family(v6: bool) -> &'static str {
 /// `iptables-save -t <table>` that name us, or nft's listing of our table.
 pub fn our_rules(ns: &Netns, v6: bool, table: &str) -> Result<String> {
     if nftables() {
-        let t = format!("dph-{table}");
-        // No such table (nft fails): nothing of ours.
-        let out = ns
-            .command("nft")
-            .args(["list", "table", family(v6), &t])
-            .output()?;
-        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+        let mut text = String::new();
+        for t in nft_tables(ns, v6, table)? {
+            // Gone since it was listed (nft fails): nothing of ours.
+            let out = ns
+                .command("nft")
+                .args(["list", "table", family(v6), &t])
+                .output()?;
+            text.push_str(&String::from_utf8_lossy(&out.stdout));
+        }
+        return Ok(text);
     }
     let tool = if v6 {
         "ip6tables-save"
@@ -59,10 +81,25 @@ pub fn our_rule_count(ns: &Netns, v6: bool, table: &str) -> Result<usize> {
 /// lines, or nft's.
 pub fn our_chain(ns: &Netns, v6: bool, table: &str, chain: &str) -> Result<String> {
     let out = if nftables() {
-        ns.run(
-            "nft",
-            &["list", "chain", family(v6), &format!("dph-{table}"), chain],
-        )?
+        // In filter, or a workload's in the shard that holds it.
+        let mut found = None;
+        for t in nft_tables(ns, v6, table)? {
+            let out = ns
+                .command("nft")
+                .args(["list", "chain", family(v6), &t, chain])
+                .output()?;
+            if out.status.success() {
+                found = Some(out);
+                break;
+            }
+        }
+        match found {
+            Some(out) => out,
+            None => ns.run(
+                "nft",
+                &["list", "chain", family(v6), &format!("dph-{table}"), chain],
+            )?,
+        }
     } else {
         let tool = if v6 { "ip6tables" } else { "iptables" };
         ns.run(tool, &["-t", table, "-S", chain])?
@@ -84,10 +121,14 @@ pub fn our_set(ns: &Netns, v6: bool, name: &str) -> Result<String> {
         let out = ns.run("ipset", &["list", name])?;
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
+    let mut tables = Vec::new();
     for t in TABLES {
+        tables.extend(nft_tables(ns, v6, t)?);
+    }
+    for t in tables {
         let out = ns
             .command("nft")
-            .args(["list", "set", family(v6), &format!("dph-{t}"), name])
+            .args(["list", "set", family(v6), &t, name])
             .output()?;
         if out.status.success() {
             return Ok(String::from_utf8_lossy(&out.stdout).into_owned());

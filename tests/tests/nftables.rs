@@ -168,6 +168,36 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
     let listed = host
         .run("nft", &["list", "table", "ip", "dph-filter"])?
         .stdout;
+    // The workloads' policy is in a shard: their chains, the policies'
+    // copies and a verdict-map dispatch; filter's own dispatch sets the
+    // pending mark.
+    let shards: Vec<(String, String)> = tables
+        .iter()
+        .filter_map(|t| t.strip_prefix("table ip "))
+        .filter(|t| t.starts_with("dph-filter-"))
+        .map(|t| {
+            let l = host.run("nft", &["list", "table", "ip", t])?.stdout;
+            Ok((t.to_string(), String::from_utf8_lossy(&l).into_owned()))
+        })
+        .collect::<Result<_>>()?;
+    let (shard, shard_listing) = shards
+        .iter()
+        .find(|(_, l)| l.contains("chain dph-tw-cali2 {"))
+        .with_context(|| format!("a shard holding cali2's chains: {shards:?}"))?;
+    let shard = shard.clone();
+    for want in [
+        "chain dph-fw-cali2",
+        "oifname vmap @dispatch-out-",
+        "\"cali2\" : goto dph-tw-cali2",
+        "hook forward priority filter + 10",
+    ] {
+        assert!(shard_listing.contains(want), "{want}: {shard_listing}");
+    }
+    assert!(
+        String::from_utf8_lossy(&listed).contains("goto dph-tw-pending-in-shards"),
+        "{}",
+        String::from_utf8_lossy(&listed)
+    );
     let copy = Netns::new("nftcopy")?;
     let file = dir.path().join("dph-filter.nft");
     std::fs::write(&file, &listed)?;
@@ -221,6 +251,41 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!tcp(&w1, "10.65.0.3", 81), "denied again after the repair");
+    // cali2's entry taken out of its shard's dispatch map by hand: its
+    // ingress policy would not run, so filter's end check drops what is
+    // sent to it (fail closed) until the refresh makes the map again.
+    let listed = host.run("nft", &["list", "chain", "ip", &shard, "dph-to-wl-shard"])?;
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    let map = listed
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("@dispatch-"))
+        .map(|h| format!("dispatch-{h}"))
+        .context("the dispatch map")?;
+    host.run(
+        "nft",
+        &["delete", "element", "ip", &shard, &map, "{ \"cali2\" }"],
+    )?;
+    let blocked = !tcp(&w1, "10.65.0.3", 80);
+    let entries = || -> Result<String> {
+        let m = host.run("nft", &["list", "table", "ip", &shard])?;
+        Ok(String::from_utf8_lossy(&m.stdout).into_owned())
+    };
+    // (A refresh tick may have repaired it while the probe ran.)
+    let repaired_already = entries()?.contains("\"cali2\" : goto dph-tw-cali2");
+    assert!(
+        blocked || repaired_already,
+        "reached while its ingress policy could not run"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !entries()?.contains("\"cali2\" : goto dph-tw-cali2") {
+        ensure!(
+            Instant::now() < deadline,
+            "the dispatch map was not made again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(tcp(&w1, "10.65.0.3", 80), "w2 reached again");
+    assert!(!tcp(&w1, "10.65.0.3", 81));
     // Refresh ticks that find everything right write nothing.
     let commits = || -> Result<f64> {
         Ok(scrape(&host, 19391)?

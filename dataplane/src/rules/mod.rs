@@ -31,6 +31,12 @@ pub struct Marks {
     pub scratch0: u32,
     pub scratch1: u32,
     wireguard: u32,
+    /// The nftables dataplane's sharded layout: a packet its main filter
+    /// table sent to a workload's egress (`from`) or ingress (`to`) policy,
+    /// which a shard table then applies. The mask's 7th and 8th bits; 0
+    /// when it has fewer (the layout is then not sharded).
+    pub pending_from: u32,
+    pub pending_to: u32,
 }
 
 impl Default for Marks {
@@ -64,6 +70,8 @@ impl Marks {
             scratch0: bits[3],
             scratch1: bits[4],
             wireguard: bits[5],
+            pending_from: bits.get(6).copied().unwrap_or(0),
+            pending_to: bits.get(7).copied().unwrap_or(0),
         })
     }
 

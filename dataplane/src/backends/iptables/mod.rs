@@ -179,12 +179,17 @@ impl std::fmt::Debug for RuleHash {
 /// The hashes of a chain's rules, chained over its name (Felix's
 /// `RuleHashes`): each depends on the chain and every rule up to it.
 pub fn rule_hashes(chain: &str, rules: &[Rule]) -> Vec<RuleHash> {
+    chained_hashes(chain, rules.iter().map(|r| r.text.as_str()))
+}
+
+/// [`rule_hashes`] of rules given as text.
+pub fn chained_hashes<'a>(chain: &str, texts: impl IntoIterator<Item = &'a str>) -> Vec<RuleHash> {
     let mut h = sha2::Sha224::new();
     h.update(chain.as_bytes());
-    rules
-        .iter()
-        .map(|r| {
-            h.update(r.text.as_bytes());
+    texts
+        .into_iter()
+        .map(|text| {
+            h.update(text.as_bytes());
             let sum = h.clone().finalize();
             // The first 16 characters of the base64 of the digest are the
             // base64 of its first 12 bytes (3 bytes to 4 characters).

@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
 use super::ops::{BaseChain, Hook};
-use super::translate::{Translated, translate};
+use super::translate::{Dispatch, Translated, translate};
 use crate::backends::desired::RuleTable;
-use crate::backends::iptables::{Ownership, Rule, RuleError, rule_hashes};
+use crate::backends::iptables::{Ownership, Rule, RuleError, chained_hashes, rule_hashes};
 use crate::model::IpVersion;
 
 /// One chain: the managers' rules, what they translate to, and the
@@ -31,7 +31,28 @@ impl DesiredChain {
         v6: bool,
         own: &Ownership,
         interned: &mut Interned,
+        maps: bool,
     ) -> Result<Self, RuleError> {
+        // An interface dispatch (in a table that makes them maps): one
+        // map lookup and its last rule, whose comments name the map (so a
+        // new map is a rewritten chain).
+        if maps {
+            let texts: Vec<&str> = rules.iter().map(Rule::text).collect();
+            if let Some(d) = Dispatch::of(&texts) {
+                let d = Arc::new(d);
+                let lookup = format!("vmap @{}", d.name);
+                let comments = chained_hashes(name, [lookup.as_str(), d.last()])
+                    .iter()
+                    .map(|h| format!("{}{h}", own.comment_prefix))
+                    .collect::<Vec<_>>()
+                    .into();
+                return Ok(Self {
+                    translated: d.rules().into_iter().map(Arc::new).collect(),
+                    rules,
+                    comments,
+                });
+            }
+        }
         let translated = rules
             .iter()
             .map(|r| interned.translate(r.text(), v6))
@@ -50,7 +71,13 @@ impl DesiredChain {
 
     /// The chains its rules jump or go to.
     pub fn targets(&self) -> impl Iterator<Item = &str> {
-        self.translated.iter().filter_map(|t| t.target.as_deref())
+        self.translated.iter().flat_map(|t| {
+            t.target.as_deref().into_iter().chain(
+                t.dispatch
+                    .iter()
+                    .flat_map(|d| d.entries.iter().map(|(_, c)| c.as_str())),
+            )
+        })
     }
 }
 
@@ -103,11 +130,19 @@ impl Interned {
 
 const BUILTINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
 
+/// The suffix of a filter hook that runs after the shards
+/// (`FORWARD-END`, `INPUT-END`).
+pub const END: &str = "-END";
+/// Where the shards hook `forward` and `input`: after filter (0).
+pub const SHARD_PRIORITY: i32 = 10;
+/// Where filter's end check hooks: after the shards.
+pub const END_PRIORITY: i32 = 20;
+
 /// Where iptables' built-in chain `builtin` of `table` hooks, at the
 /// priority iptables-nft gives it (so the two order alike beside each
 /// other); `None` where iptables has no such chain.
 pub fn base_chain(table: &str, builtin: &str) -> Option<BaseChain> {
-    let hook = match builtin {
+    let hook = match builtin.strip_suffix(END).unwrap_or(builtin) {
         "PREROUTING" => Hook::Prerouting,
         "INPUT" => Hook::Input,
         "FORWARD" => Hook::Forward,
@@ -115,12 +150,19 @@ pub fn base_chain(table: &str, builtin: &str) -> Option<BaseChain> {
         "POSTROUTING" => Hook::Postrouting,
         _ => return None,
     };
-    let priority = match (table, hook) {
-        ("raw", Hook::Prerouting | Hook::Output) => -300,
-        ("mangle", _) => -150,
-        ("nat", Hook::Prerouting | Hook::Output) => -100,
-        ("nat", Hook::Input | Hook::Postrouting) => 100,
-        ("filter", Hook::Input | Hook::Forward | Hook::Output) => 0,
+    let end = builtin.ends_with(END);
+    let priority = match (table, hook, end) {
+        // The sharded layout (see `super::shards`): the shards after
+        // filter, filter's end check after them.
+        (t, Hook::Input | Hook::Forward, false) if t.starts_with("filter-") => SHARD_PRIORITY,
+        ("filter", Hook::Input | Hook::Forward, true) => END_PRIORITY,
+        (_, _, true) => return None,
+        (t, _, _) if t.starts_with("filter-") => return None,
+        ("raw", Hook::Prerouting | Hook::Output, _) => -300,
+        ("mangle", _, _) => -150,
+        ("nat", Hook::Prerouting | Hook::Output, _) => -100,
+        ("nat", Hook::Input | Hook::Postrouting, _) => 100,
+        ("filter", Hook::Input | Hook::Forward | Hook::Output, _) => 0,
         _ => return None,
     };
     Some(BaseChain {
@@ -150,6 +192,16 @@ pub struct ChainTable {
     /// every chain.
     pub(super) reshaped: bool,
     interned: Interned,
+    /// Interface dispatch chains become verdict maps (the shards).
+    maps: bool,
+    /// Holds every IP set, used or not (filter, unless sharded: where
+    /// `nft list` finds them, and so a policy that starts using a big set
+    /// does not have to write it first); the others hold those their
+    /// rules look up.
+    pub(super) all_sets: bool,
+    /// With `all_sets`: only those no other table's rules look up (the
+    /// sharded filter: every set is somewhere, a big one once).
+    pub(super) spare_sets_only: bool,
 }
 
 impl ChainTable {
@@ -165,7 +217,57 @@ impl ChainTable {
             touched: BTreeSet::new(),
             reshaped: true,
             interned: Interned::default(),
+            maps: false,
+            all_sets: table == "filter",
+            spare_sets_only: false,
         }
+    }
+
+    /// A table whose interface dispatch chains are verdict maps.
+    pub fn with_maps(mut self) -> Self {
+        self.maps = true;
+        self
+    }
+
+    /// Builds chain `name` of `rules` as [`RuleTable::set_chain`] would
+    /// set it (to be [`put`](Self::put) here or in another table).
+    pub(super) fn build(
+        &mut self,
+        name: &str,
+        rules: Vec<Rule>,
+    ) -> Result<DesiredChain, RuleError> {
+        let v6 = self.v6();
+        DesiredChain::new(name, rules, v6, &self.own, &mut self.interned, self.maps)
+    }
+
+    /// Sets chain `name` to `chain`, built by [`build`](Self::build) (of
+    /// this table or one of the same IP version and maps).
+    pub(super) fn put(&mut self, name: &str, chain: DesiredChain) {
+        if self.chains.get(name) == Some(&chain) {
+            return;
+        }
+        let same_jumps = self
+            .chains
+            .get(name)
+            .is_some_and(|old| old.targets().eq(chain.targets()));
+        if same_jumps {
+            self.touched.insert(name.to_string());
+        } else {
+            tracing::debug!(
+                table = self.table,
+                chain = name,
+                "reshaped: a chain's jumps changed"
+            );
+            self.reshaped = true;
+        }
+        let old = self.chains.insert(name.to_string(), chain);
+        self.changed = true;
+        self.interned.prune(old.map_or(0, |o| o.translated.len()));
+    }
+
+    /// The desired chain `name`.
+    pub(super) fn desired(&self, name: &str) -> Option<&DesiredChain> {
+        self.chains.get(name)
     }
 
     fn v6(&self) -> bool {
@@ -205,25 +307,8 @@ impl RuleTable for ChainTable {
             return Err(RuleError::ChainName(name.to_string()));
         }
         if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
-            let v6 = self.v6();
-            let chain = DesiredChain::new(name, rules, v6, &self.own, &mut self.interned)?;
-            let same_jumps = self
-                .chains
-                .get(name)
-                .is_some_and(|old| old.targets().eq(chain.targets()));
-            if same_jumps {
-                self.touched.insert(name.to_string());
-            } else {
-                tracing::debug!(
-                    table = self.table,
-                    chain = name,
-                    "reshaped: a chain's jumps changed"
-                );
-                self.reshaped = true;
-            }
-            let old = self.chains.insert(name.to_string(), chain);
-            self.changed = true;
-            self.interned.prune(old.map_or(0, |o| o.translated.len()));
+            let chain = self.build(name, rules)?;
+            self.put(name, chain);
         }
         Ok(())
     }
@@ -262,8 +347,7 @@ impl RuleTable for ChainTable {
         if rules.is_empty() {
             self.hooks.remove(builtin);
         } else {
-            let v6 = self.v6();
-            let chain = DesiredChain::new(builtin, rules, v6, &self.own, &mut self.interned)?;
+            let chain = self.build(builtin, rules)?;
             self.hooks.insert(builtin.to_string(), chain);
         }
         self.changed = true;

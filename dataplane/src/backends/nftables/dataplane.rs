@@ -25,14 +25,16 @@ use super::plan::{
     Content, Contents, Observed, ObservedChain, ObservedTable, Patch, PlanError, plan, plan_changes,
 };
 use super::sets::DesiredSets;
+use super::shards::{Filter, ShardLayout};
 use crate::backends::desired::{RuleTable, SetStore};
 use crate::backends::iptables::Ownership;
 use crate::backends::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
 use crate::model::IpVersion;
 use crate::model::ipsets::SetNames;
 
-/// The iptables tables whose chains we program, in hook order.
-pub const TABLES: [&str; 4] = ["raw", "mangle", "nat", "filter"];
+/// The iptables tables whose chains we program, in hook order (filter,
+/// with its shards, is [`Filter`]).
+pub const TABLES: [&str; 3] = ["raw", "mangle", "nat"];
 
 const NAME_V4: &str = "nftables-v4";
 const NAME_V6: &str = "nftables-v6";
@@ -180,6 +182,7 @@ pub struct Dataplane {
     version: IpVersion,
     own: Ownership,
     pub tables: Vec<ChainTable>,
+    pub filter: Filter,
     pub sets: DesiredSets,
     kernel: Box<dyn NftKernel>,
     /// Our tables as last read or written; `None`: read at the next apply.
@@ -193,6 +196,8 @@ pub struct Dataplane {
     background: Option<BackgroundRead<(Observed, Contents)>>,
     /// Commits tried (a read begun before the last one may be stale).
     attempts: u64,
+    /// The first read's shard placement taken over.
+    adopted: bool,
     /// Refresh reads overtaken by a commit in a row.
     overtaken: u32,
     commits: u64,
@@ -222,10 +227,13 @@ fn count(observed: &Observed) -> std::collections::BTreeMap<String, (usize, usiz
 }
 
 impl Dataplane {
+    /// `shards`: how many tables workload policy is spread over (see
+    /// [`Filter`]; 0 or 1: filter holds it all).
     pub fn new(
         version: IpVersion,
         prefix: &str,
         names: SetNames,
+        layout: ShardLayout,
         kernel: Box<dyn NftKernel>,
     ) -> Self {
         let own = Ownership::new(prefix);
@@ -235,6 +243,7 @@ impl Dataplane {
                 .iter()
                 .map(|t| ChainTable::new(t, version, own.clone()))
                 .collect(),
+            filter: Filter::new(version, own.clone(), layout.marks, layout.shards),
             sets: DesiredSets::new(version, names),
             own,
             kernel,
@@ -243,6 +252,7 @@ impl Dataplane {
             refresh_due: false,
             background: None,
             attempts: 0,
+            adopted: false,
             overtaken: 0,
             commits: 0,
             validating: 0,
@@ -254,13 +264,28 @@ impl Dataplane {
     }
 
     /// Opens the daemon's netlink sockets.
-    pub fn open(version: IpVersion, prefix: &str, names: SetNames) -> Result<Self, NftError> {
+    pub fn open(
+        version: IpVersion,
+        prefix: &str,
+        names: SetNames,
+        layout: ShardLayout,
+    ) -> Result<Self, NftError> {
         Ok(Self::new(
             version,
             prefix,
             names,
+            layout,
             Box::new(NetlinkKernel::open()?),
         ))
+    }
+
+    /// Every table of chains: raw, mangle, nat, filter and its shards.
+    fn chain_tables(&self) -> Vec<&ChainTable> {
+        self.tables.iter().chain(self.filter.tables()).collect()
+    }
+
+    fn tables_changed(&self) -> bool {
+        self.tables.iter().any(|t| t.changed) || self.filter.changed()
     }
 
     /// A refresh read is running on its own thread.
@@ -353,7 +378,10 @@ impl Dataplane {
     }
 
     pub fn rule_tables_mut(&mut self) -> impl Iterator<Item = &mut dyn RuleTable> {
-        self.tables.iter_mut().map(|t| t as &mut dyn RuleTable)
+        self.tables
+            .iter_mut()
+            .map(|t| t as &mut dyn RuleTable)
+            .chain(std::iter::once(&mut self.filter as &mut dyn RuleTable))
     }
 
     pub fn set_store_mut(&mut self) -> &mut dyn SetStore {
@@ -397,7 +425,7 @@ impl Backend for Dataplane {
         self.observed.is_none()
             || self.refresh_due
             || self.sets.changed
-            || self.tables.iter().any(|t| t.changed)
+            || self.tables_changed()
             || self
                 .background
                 .as_ref()
@@ -423,18 +451,28 @@ impl Backend for Dataplane {
         if self.observed.is_none() {
             self.read()?;
         }
-        if self.contents.is_none() && !self.sets.changed && !self.tables.iter().any(|t| t.changed) {
+        if self.contents.is_none() && !self.sets.changed && !self.tables_changed() {
             return Ok(ApplyOutcome::default()); // a read under way, nothing else
         }
         let family = self.family();
         let planning = Instant::now();
+        if !std::mem::replace(&mut self.adopted, true) {
+            let observed = self.observed.as_ref().expect("read above");
+            self.filter.adopt(observed, &self.own.chain_prefix);
+        }
+        self.filter
+            .settle()
+            .map_err(|e| BackendError::Inconsistent {
+                backend: self.name(),
+                reason: e.to_string(),
+            })?;
         // The changes alone when they say all (no read to diff against, no
         // reshaping): at 50,000 rules a full plan walks every chain.
         let changes = match (&self.observed, &self.contents) {
             (Some(observed), None) => plan_changes(
                 family,
                 &self.own.chain_prefix,
-                &self.tables,
+                &self.chain_tables(),
                 &self.sets,
                 observed,
             ),
@@ -445,14 +483,15 @@ impl Backend for Dataplane {
             None => {
                 let p = loop {
                     let observed = self.observed.as_ref().expect("read above");
-                    match plan(
+                    let planned = plan(
                         family,
                         &self.own.chain_prefix,
-                        &self.tables,
+                        &self.chain_tables(),
                         &self.sets,
                         observed,
                         self.contents.as_ref(),
-                    ) {
+                    );
+                    match planned {
                         Ok(p) => break p,
                         Err(PlanError::NeedRead { .. }) if self.contents.is_none() => {
                             self.read()?
@@ -530,7 +569,7 @@ impl Backend for Dataplane {
         self.sets.changes.clear();
         self.sets.changed = false;
         self.sets.removed_any = false;
-        for t in &mut self.tables {
+        for t in self.tables.iter_mut().chain(self.filter.tables_mut()) {
             t.changed = false;
             t.reshaped = false;
             t.touched.clear();
@@ -661,8 +700,14 @@ mod tests {
             detached: Arc::clone(&detached),
         };
         let names = SetNames::new("dph").unwrap();
-        let mut d = Dataplane::new(IpVersion::V4, "dph", names, Box::new(fake));
-        let filter = d.tables.iter_mut().find(|t| t.table() == "filter").unwrap();
+        let mut d = Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            names,
+            ShardLayout::default(),
+            Box::new(fake),
+        );
+        let filter = &mut d.filter;
         filter
             .set_chain(
                 "dph-a",

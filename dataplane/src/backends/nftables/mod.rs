@@ -7,6 +7,8 @@
 //!   is refused whole. Every rule counts (a counter before its target).
 //! - [`chains`]: the desired chains of one table, translated as they are
 //!   set, with which changed and whether the table was reshaped.
+//! - [`shards`]: the filter table split: the workloads' policy in shard
+//!   tables of its own (`--nftables-shards`).
 //! - [`sets`]: the desired IP sets and their uncommitted deltas.
 //! - [`plan`]: desired and observed in, one commit out ([`plan::plan`],
 //!   every chain; [`plan::plan_changes`], the changes alone).
@@ -16,9 +18,10 @@
 //!   `tests/nftables_dataplane.rs`).
 //!
 //! # Owns
-//! Tables named `<prefix>-raw`, `-mangle`, `-nat` and `-filter` (and any
-//! other `<prefix>-…` table: an older layout's, removed) in the `ip` and
-//! `ip6` families, with everything in them. Never another agent's table;
+//! Tables named `<prefix>-raw`, `-mangle`, `-nat`, `-filter` and the
+//! shards `-filter-<n>` (and any other `<prefix>-…` table: an older
+//! layout's, removed) in the `ip` and `ip6` families, with everything in
+//! them. Never another agent's table;
 //! nothing is flushed at start: the tables are read back and adopted, and
 //! only what differs is written (a restart that finds them right writes
 //! nothing). On the refresh tick (`--iptables-refresh-seconds`,
@@ -35,16 +38,30 @@
 //! chains as regular chains of the same names. Only chains a hook reaches
 //! are programmed. Each rule carries its hash comment (`<prefix>:<hash>`,
 //! chained over the chain's name as Felix does): equal comments, equal
-//! rules, so a read tells what is intact. Every IP set lives in the filter
-//! table (where `nft list` finds it, and so a policy that starts using a
-//! big set does not have to write it first); the other tables hold copies
-//! of those their rules use. `hash:ip` and `hash:ip,port` sets are hash
-//! sets of addresses or `addr . proto . port`; `hash:net` sets are
-//! interval sets of merged ranges. Port lists are constant interval sets
-//! named after their contents. An IP set id that `nft` cannot parse back
-//! (`s:…`) is named by its hash (`SetNames::for_nftables`), so `nft list
-//! ruleset` loads again with `nft -f`.
+//! rules, so a read tells what is intact. `hash:ip` and `hash:ip,port`
+//! sets are hash sets of addresses or `addr . proto . port`; `hash:net`
+//! sets are interval sets of merged ranges. Port lists are constant
+//! interval sets named after their contents. An IP set id that `nft`
+//! cannot parse back (`s:…`) is named by its hash
+//! (`SetNames::for_nftables`), so `nft list ruleset` loads again with
+//! `nft -f`.
 //!
+//! Filter is sharded ([`shards`], `--nftables-shards`, 16 by default):
+//! each workload's endpoint chains live in one of the shard tables
+//! `<prefix>-filter-<n>` (hooked at forward and input, priority 10), with
+//! copies of the policy and profile chains they jump to and of the IP
+//! sets those look up; filter's own dispatch only marks the packet
+//! "pending" for the shard (and allowed, so filter goes on as Felix's
+//! would), the shard looks the interface up in a verdict map and applies
+//! the endpoint's policy (a drop in any table is final), and filter's end
+//! check (priority 20) drops what no shard took (fail closed). A new
+//! interface goes to the shard its IP sets point at, so endpoints that
+//! look up the same sets share a shard and each set is copied few times.
+//! A set no rule looks up lives in filter (every set is somewhere; a big
+//! one is not copied into filter as well); a table holds only the sets
+//! its rules use. With 0 or 1 shard, or a mark mask without the two
+//! pending bits, filter holds everything and every set, as before.
+
 //! # What each change costs
 //! The kernel validates a table at commit when a change in it carries a
 //! verdict (a rule with accept/drop/jump/goto or a mark set, a `goto` map
@@ -55,44 +72,40 @@
 //!
 //! | change | written as | validation walk |
 //! |---|---|---|
-//! | IP-set member added/removed | set elements (ranges for nets, by difference) | none |
-//! | policy or profile changed | its chain flushed and written, in one commit | the table's |
-//! | endpoint added/removed | its chains and the dispatch chains | the table's |
+//! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
+//! | policy or profile changed | its chain (and each shard's copy) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
+//! | endpoint added/removed | its chains and its shard's dispatch map; filter's dispatch chain | its shard's and filter's (small: dispatch and host endpoints) |
 //! | nothing changed (refresh, restart) | nothing | none |
 //!
 //! Every commit, whatever it holds, also costs the kernel a pass over
 //! every chain of every table in the namespace (`nf_tables_commit` makes
-//! each chain's next rule generation current, changed or not): about
-//! 3–4 ms at 30,000 chains here, measured as the commit time of a single
-//! set element in the policy benchmark. Sharding does not change that
-//! floor; only fewer chains do.
+//! each chain's next rule generation current, changed or not): 0.8 ms for
+//! a set element next to 30,000 chains in `bench/src/bin/nftables.rs`,
+//! 2–3 ms in the daemon at the policy benchmark's scale.
 //!
 //! One commit per apply for all tables of an IP version. When only chains'
 //! rules and set members changed, the plan looks at those alone
-//! ([`plan::plan_changes`]); otherwise at every chain. The walk is what is
-//! left: at issue 4's scale (320,000 rules in filter) every rule-writing
-//! commit walks all of filter. Sharding policy over several small tables
-//! (each with its own base chains; "allowed" carried by the accept mark to
-//! a last table; the dispatch as verdict maps) is the next step: measured
-//! in `bench/src/bin/nftables.rs`, a rule in a small table costs ~1 ms
-//! against ~26 ms in the big one. What that layout has to solve:
-//! - a chain can only jump within its table, so a shard holds its
-//!   endpoints' chains, a copy of every policy and profile chain they use,
-//!   and a copy of every IP set those use (at issue 4's scale every set is
-//!   used in every shard: 1M elements times the shards);
-//! - an `accept` ends only its own table, so each accept before the shards
-//!   (established flows, the ICMPv6 router exceptions, failsafes, what raw
-//!   or mangle already accepted) has to become a mark the shards and the
-//!   last table honour — a mark bit beyond Felix's accept/pass/scratch.
+//! ([`plan::plan_changes`]); otherwise at every chain.
 //!
-//! Tried and measured, not kept: the workload dispatch as one verdict map
-//! per direction (`iifname vmap`, a `goto` per interface) in place of the
-//! prefix tree of interface rules. The walk got slower — the kernel
-//! validates every element of a `goto` map from every hook that reaches
-//! it: one policy change at 10,000 endpoints went from 96 to 152 ms — and
-//! the packet path did not change (26,546 against 28,497 request/response
-//! transactions a second). The policy benchmark at 100,000 members, same
-//! day, both builds.
+//! What the shards cost: the copies (policy chains and IP sets in each
+//! shard that uses them: at issue 4's scale, 1.6 times the members and
+//! 10% more rules), a verdict-map lookup per shard for each packet to or
+//! from a workload, and `nft list ruleset`: the kernel's family-wide rule
+//! dump starts again from the first rule for each message, and across 17
+//! tables that took 3 minutes at 10,000 endpoints against 11 s in one
+//! table (`nft list table ip dph-filter-3`, one table, takes 0.3 s; the
+//! daemon reads chain by chain). An operator who lists the whole ruleset
+//! by hand often can run with `--nftables-shards 1`.
+//!
+//! Tried and measured, not kept: the workload dispatch of filter itself as
+//! one verdict map per direction (`iifname vmap`, a `goto` per interface)
+//! in place of the prefix tree of interface rules. The walk got slower —
+//! the kernel validates every element of a `goto` map from every hook
+//! that reaches it: one policy change at 10,000 endpoints went from 96 to
+//! 152 ms — and the packet path did not change (26,546 against 28,497
+//! request/response transactions a second). In a shard, where the walk is
+//! small, the map is what keeps the other shards' cost per packet at one
+//! lookup.
 
 pub mod chains;
 pub mod dataplane;
@@ -102,6 +115,7 @@ pub mod netlink;
 pub mod ops;
 pub mod plan;
 pub mod sets;
+pub mod shards;
 pub mod translate;
 mod wire;
 

@@ -18,14 +18,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use super::chains::{ChainTable, DesiredChain, base_chain};
 use super::intervals::{self, Range};
 use super::ops::{Family, Key, KeyType, Op, SetInfo};
-use super::sets::{Change, DesiredSets, key, kind, ranges};
-use super::translate::PortSet;
+use super::sets::{Change, DesiredSets, key, key as key_of, kind, ranges};
+use super::translate::{Dispatch, PortSet};
 use crate::backends::desired::RuleTable;
 
 const NFT_SET_INTERVAL: u32 = 0x4;
-/// The table that holds every IP set (the others hold those their rules
-/// use).
-const SETS_HOME: &str = "filter";
 const NFT_SET_MAP: u32 = 0x8;
 
 /// A chain as read back or as last written.
@@ -167,6 +164,8 @@ struct Stages {
     set_removals: Vec<Op>,
     sets: Vec<Op>,
     chains: Vec<Op>,
+    /// Dispatch maps' entries: after the chains they go to.
+    map_elements: Vec<Op>,
     rules: Vec<Op>,
     chain_removals: Vec<Op>,
     stale_sets: Vec<Op>,
@@ -179,7 +178,7 @@ struct Stages {
 pub fn plan(
     family: Family,
     chain_prefix: &str,
-    tables: &[ChainTable],
+    tables: &[&ChainTable],
     sets: &DesiredSets,
     observed: &Observed,
     contents: Option<&Contents>,
@@ -190,11 +189,59 @@ pub fn plan(
         .iter()
         .map(|t| table_name(chain_prefix, t.table()))
         .collect();
-    for t in tables {
-        let name = table_name(chain_prefix, t.table());
+    // A table none of whose chains changed (most shards, most of the
+    // time) is planned for its sets' members alone, as written last.
+    let quiet = |t: &ChainTable, obs: Option<&ObservedTable>| {
+        obs.is_some() && contents.is_none() && !t.changed && !t.spare_sets_only && !sets.removed_any
+    };
+    let names: Vec<String> = tables
+        .iter()
+        .map(|t| table_name(chain_prefix, t.table()))
+        .collect();
+    let mut reaches: Vec<Option<HashSet<&str>>> = tables
+        .iter()
+        .zip(&names)
+        .map(|(t, n)| (!quiet(t, observed.get(n))).then(|| t.reachable()))
+        .collect();
+    // The sets some table's rules look up (a quiet table's: those it
+    // holds), for a table that holds the others.
+    let mut used: HashSet<&str> = HashSet::new();
+    if tables.iter().any(|t| t.spare_sets_only) {
+        for ((t, reach), n) in tables.iter().zip(&reaches).zip(&names) {
+            let Some(reach) = reach else {
+                let held = observed.get(n).into_iter().flat_map(|o| o.sets.keys());
+                used.extend(
+                    held.filter_map(|s| sets.sets.get_key_value(s).map(|(k, _)| k.as_str())),
+                );
+                continue;
+            };
+            let chains = reach
+                .iter()
+                .filter_map(|c| t.chains.get(*c))
+                .chain(t.hooks.values());
+            for c in chains {
+                for tr in &c.translated {
+                    used.extend(tr.sets.iter().map(String::as_str));
+                }
+            }
+        }
+    }
+    for (i, (t, name)) in tables.iter().zip(names).enumerate() {
         let obs = observed.get(&name);
-        let reach = t.reachable();
-        let all_sets = t.table() == SETS_HOME && !sets.sets.is_empty();
+        if let Some(o) = obs
+            && quiet(t, obs)
+            && let Some(after) = members_only(family, &name, o, sets, &mut st.sets, &mut out.ranges)
+        {
+            out.after.insert(name, after);
+            continue;
+        }
+        let reach = reaches[i].take().unwrap_or_else(|| t.reachable());
+        let all_sets = t.all_sets
+            && if t.spare_sets_only {
+                sets.sets.keys().any(|s| !used.contains(s.as_str()))
+            } else {
+                !sets.sets.is_empty()
+            };
         if reach.is_empty() && t.hooks.is_empty() && !all_sets {
             if obs.is_some() {
                 st.table_removals.push(Op::DestroyTable {
@@ -211,6 +258,7 @@ pub fn plan(
             sets,
             obs,
             contents,
+            used: &used,
         };
         let after = ctx.plan(&reach, &mut st, &mut out.ranges)?;
         out.after.insert(name, after);
@@ -230,6 +278,7 @@ pub fn plan(
         st.set_removals,
         st.sets,
         st.chains,
+        st.map_elements,
         st.rules,
         st.chain_removals,
         st.stale_sets,
@@ -239,6 +288,50 @@ pub fn plan(
     Ok(out)
 }
 
+/// Table `table` as `obs` (the last write) with its sets' members
+/// changed: the element ops into `ops`, the interval sets' ranges into
+/// `ranges`. `None` when a set of it is to be written whole (a full plan
+/// of the table then).
+fn members_only(
+    family: Family,
+    table: &str,
+    obs: &ObservedTable,
+    sets: &DesiredSets,
+    ops: &mut Vec<Op>,
+    ranges_out: &mut HashMap<(String, String), Vec<Range>>,
+) -> Option<ObservedTable> {
+    let mut mine = Vec::new();
+    for s in obs.sets.keys() {
+        let Some(d) = sets.sets.get(s) else {
+            continue; // a port list, or a set going with a full plan
+        };
+        let (_, interval) = kind(d.meta.set_type, sets.version_of());
+        let key = (table.to_string(), s.clone());
+        match sets.changes.get(s) {
+            Some(Change::Whole) => return None,
+            Some(Change::Delta { add, del }) => {
+                if interval {
+                    let have = sets.written_ranges.get(&key)?;
+                    let want = ranges(&d.members);
+                    let (gone, came) = intervals::diff(have, &want);
+                    push_ranges(&mut mine, family, table, s, gone, came);
+                    ranges_out.insert(key, want);
+                } else {
+                    let del: Vec<Key> = del.iter().filter_map(key_of).collect();
+                    let add: Vec<Key> = add.iter().filter_map(key_of).collect();
+                    push_elements(&mut mine, family, table, s, del, add);
+                }
+            }
+            None if interval => {
+                ranges_out.insert(key.clone(), sets.written_ranges.get(&key)?.clone());
+            }
+            None => {}
+        }
+    }
+    ops.extend(mine);
+    Some(obs.clone())
+}
+
 struct TableCtx<'a> {
     family: Family,
     name: &'a str,
@@ -246,6 +339,8 @@ struct TableCtx<'a> {
     sets: &'a DesiredSets,
     obs: Option<&'a ObservedTable>,
     contents: Option<&'a Contents>,
+    /// With `spare_sets_only`: the sets other tables hold.
+    used: &'a HashSet<&'a str>,
 }
 
 impl TableCtx<'_> {
@@ -265,21 +360,37 @@ impl TableCtx<'_> {
             });
         }
         // Every chain to program: (name, chain, base).
-        let mut wanted: Vec<(&str, &DesiredChain, bool)> = self
-            .table
-            .chains
-            .iter()
-            .filter(|(n, _)| reach.contains(n.as_str()))
-            .map(|(n, c)| (n.as_str(), c, false))
-            .collect();
+        // By name; from the reachable ones when they are few (the sharded
+        // filter holds every policy chain and programs few of them).
+        let mut wanted: Vec<(&str, &DesiredChain, bool)> =
+            if reach.len() * 4 < self.table.chains.len() {
+                let mut w: Vec<(&str, &DesiredChain, bool)> = reach
+                    .iter()
+                    .filter_map(|n| self.table.chains.get_key_value(*n))
+                    .map(|(n, c)| (n.as_str(), c, false))
+                    .collect();
+                w.sort_unstable_by_key(|(n, _, _)| *n);
+                w
+            } else {
+                self.table
+                    .chains
+                    .iter()
+                    .filter(|(n, _)| reach.contains(n.as_str()))
+                    .map(|(n, c)| (n.as_str(), c, false))
+                    .collect()
+            };
         wanted.extend(self.table.hooks.iter().map(|(n, c)| (n.as_str(), c, true)));
 
         // The sets and port lists they look up; every set in the filter
         // table (where `nft list` finds them, and so a policy that starts
         // using a big set does not have to write it first).
         let mut needed: BTreeMap<&str, SetInfo> = BTreeMap::new();
-        if self.table.table() == SETS_HOME {
+        if self.table.all_sets {
+            let spare = self.table.spare_sets_only;
             for (s, d) in &self.sets.sets {
+                if spare && self.used.contains(s.as_str()) {
+                    continue;
+                }
                 let (k, interval) = kind(d.meta.set_type, self.sets_version());
                 needed.insert(s, set_info(s, k, interval));
             }
@@ -302,20 +413,64 @@ impl TableCtx<'_> {
                 }
             }
         }
-        let retyped: BTreeSet<&str> = needed
+        let mut retyped: BTreeSet<&str> = needed
             .iter()
             .filter(|(s, info)| obs.sets.get(**s).is_some_and(|o| !same_kind(o, info)))
             .map(|(s, _)| *s)
             .collect();
+        // Dispatch maps. One changed by hand (another kind, or other
+        // interfaces than its name says) is made again, with the chain
+        // that looks it up (a map in use cannot be removed).
+        let mut maps: BTreeMap<&str, &Dispatch> = BTreeMap::new();
+        for (_, c, _) in &wanted {
+            for t in &c.translated {
+                if let Some(d) = &t.dispatch {
+                    maps.insert(&d.name, d);
+                }
+            }
+        }
+        let map_info = |name: &str| {
+            let (key_type, key_len) = KeyType::IfName.code();
+            SetInfo {
+                name: name.to_string(),
+                key_type,
+                key_len,
+                flags: NFT_SET_MAP,
+            }
+        };
+        for (name, d) in &maps {
+            let Some(o) = obs.sets.get(*name) else {
+                continue;
+            };
+            let read = self
+                .contents
+                .and_then(|c| c.get(&(table.clone(), name.to_string())));
+            let damaged = !same_kind(o, &map_info(name))
+                || read.is_some_and(|r| match r {
+                    Content::Keys(have) => {
+                        let have: HashSet<Vec<u8>> = have.iter().map(Key::bytes).collect();
+                        have.len() != d.entries.len()
+                            || d.entries
+                                .iter()
+                                .any(|(i, _)| !have.contains(&Key::ifname(i).bytes()))
+                    }
+                    _ => true,
+                });
+            if damaged {
+                retyped.insert(name);
+            }
+        }
 
         let mut after = ObservedTable::default();
         // Chains: new ones made, changed ones flushed and rewritten.
         for (name, c, base) in &wanted {
             let o = obs.chains.get(*name);
-            let uses_retyped = c
-                .translated
-                .iter()
-                .any(|t| t.sets.iter().any(|s| retyped.contains(s.as_str())));
+            let uses_retyped = c.translated.iter().any(|t| {
+                t.sets.iter().any(|s| retyped.contains(s.as_str()))
+                    || t.dispatch
+                        .as_ref()
+                        .is_some_and(|d| retyped.contains(d.name.as_str()))
+            });
             let hook = if *base {
                 base_chain(self.table.table(), name).map(|b| (b.hook as u32, b.priority))
             } else {
@@ -500,9 +655,41 @@ impl TableCtx<'_> {
                 .sets
                 .insert(p.to_string(), set_info(p, KeyType::Port, true));
         }
-        for s in obs.sets.keys() {
+        for (name, d) in &maps {
+            if !obs.sets.contains_key(*name) || retyped.contains(name) {
+                if retyped.contains(name) {
+                    st.set_removals.push(Op::DestroySet {
+                        family,
+                        table: table.clone(),
+                        set: name.to_string(),
+                    });
+                }
+                st.sets.push(Op::AddVerdictMap {
+                    family,
+                    table: table.clone(),
+                    map: name.to_string(),
+                    key: KeyType::IfName,
+                });
+                st.map_elements.push(Op::AddVerdicts {
+                    family,
+                    table: table.clone(),
+                    map: name.to_string(),
+                    entries: d.elements(),
+                });
+            }
+            after.sets.insert(name.to_string(), map_info(name));
+        }
+        for (s, o) in &obs.sets {
             if !after.sets.contains_key(s) {
-                st.stale_sets.push(Op::DestroySet {
+                // A map's entries hold the chains they go to: it goes
+                // before any chain is removed (the rule that looked it up
+                // was flushed first).
+                let stage = if o.flags & NFT_SET_MAP != 0 {
+                    &mut st.set_removals
+                } else {
+                    &mut st.stale_sets
+                };
+                stage.push(Op::DestroySet {
                     family,
                     table: table.clone(),
                     set: s.clone(),
@@ -608,7 +795,7 @@ pub struct Changes {
 pub fn plan_changes(
     family: Family,
     chain_prefix: &str,
-    tables: &[ChainTable],
+    tables: &[&ChainTable],
     sets: &DesiredSets,
     observed: &Observed,
 ) -> Option<Changes> {
@@ -635,7 +822,11 @@ pub fn plan_changes(
             if o.comments == c.comments {
                 continue;
             }
-            // What its rules look up must be in the table.
+            // What its rules look up must be in the table; a dispatch
+            // map is made with the full plan.
+            if c.translated.iter().any(|t| t.dispatch.is_some()) {
+                return None;
+            }
             for tr in &c.translated {
                 for s in &tr.sets {
                     if !obs.sets.contains_key(s) {
@@ -724,6 +915,11 @@ pub fn plan_changes(
 
 #[cfg(test)]
 mod tests {
+    /// The tables as the plan takes them.
+    fn refs(tables: &[ChainTable]) -> Vec<&ChainTable> {
+        tables.iter().collect()
+    }
+
     use super::*;
     use crate::backends::desired::SetStore;
     use crate::backends::ipsets::Meta;
@@ -773,7 +969,15 @@ mod tests {
     #[test]
     fn a_first_plan_makes_everything_in_an_order_the_kernel_takes() {
         let (mut tables, mut sets) = state();
-        let p = plan(Family::Ip, "dph-", &tables, &sets, &Observed::new(), None).unwrap();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &Observed::new(),
+            None,
+        )
+        .unwrap();
         committed(&mut tables, &mut sets);
         assert_eq!(
             names(&p.ops),
@@ -792,8 +996,140 @@ mod tests {
             names(&p.ops)
         );
         // Planned again against what it leaves: nothing to do.
-        let again = plan(Family::Ip, "dph-", &tables, &sets, &p.after, None).unwrap();
+        let again = plan(Family::Ip, "dph-", &refs(&tables), &sets, &p.after, None).unwrap();
         assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+    }
+
+    /// A dispatch chain is a verdict map made with its entries after the
+    /// chains they go to; a new one replaces it (the old map goes before
+    /// any chain it held is removed); one changed by hand is made again.
+    #[test]
+    fn dispatch_maps_are_made_replaced_and_repaired_in_order() {
+        let mut t = ChainTable::new("filter-0", IpVersion::V4, Ownership::new("dph")).with_maps();
+        for c in ["dph-fw-cali1", "dph-fw-cali2"] {
+            t.set_chain(c, vec![r("-j ACCEPT")]).unwrap();
+        }
+        let dispatch = |ifaces: &[&str]| {
+            let mut rules: Vec<Rule> = ifaces
+                .iter()
+                .map(|i| r(&format!("-i {i} -g dph-fw-{i}")))
+                .collect();
+            rules.push(r("-j DROP"));
+            rules
+        };
+        t.set_chain("dph-from-wl-dispatch", dispatch(&["cali1", "cali2"]))
+            .unwrap();
+        t.set_hooks("FORWARD", vec![r("-j dph-from-wl-dispatch")])
+            .unwrap();
+        let mut tables = vec![t];
+        let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &Observed::new(),
+            None,
+        )
+        .unwrap();
+        let ops = names(&p.ops);
+        let pos = |what: &str| {
+            ops.iter()
+                .position(|o| o.starts_with(what))
+                .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
+        };
+        let map = pos("adding map dph-filter-0/dispatch-in-");
+        let entries = pos("adding 2 entries to dph-filter-0/dispatch-in-");
+        assert!(map < pos("adding chain dph-filter-0/dph-fw-cali2"));
+        assert!(pos("adding chain dph-filter-0/dph-fw-cali2") < entries);
+        assert!(entries < pos("adding rule"));
+        committed(&mut tables, &mut sets);
+        let first = p.after.clone();
+
+        // cali2 goes: a new map, the old one removed before its chain.
+        tables[0]
+            .set_chain("dph-from-wl-dispatch", dispatch(&["cali1"]))
+            .unwrap();
+        tables[0].remove_chain("dph-fw-cali2");
+        let p = plan(Family::Ip, "dph-", &refs(&tables), &sets, &first, None).unwrap();
+        let ops = names(&p.ops);
+        let pos = |what: &str| {
+            ops.iter()
+                .position(|o| o.starts_with(what))
+                .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
+        };
+        assert!(
+            pos("flushing chain dph-filter-0/dph-from-wl-dispatch")
+                < pos("removing set dph-filter-0/dispatch-in-")
+        );
+        assert!(
+            pos("removing set dph-filter-0/dispatch-in-")
+                < pos("removing chain dph-filter-0/dph-fw-cali2")
+        );
+        assert!(pos("adding 1 entries to dph-filter-0/dispatch-in-") < pos("adding rule"));
+        committed(&mut tables, &mut sets);
+        let second = p.after.clone();
+        let again = plan(Family::Ip, "dph-", &refs(&tables), &sets, &second, None).unwrap();
+        assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+
+        // An entry taken out by hand: the map and its chain made again.
+        let map = second["dph-filter-0"]
+            .sets
+            .keys()
+            .find(|s| s.starts_with("dispatch-"))
+            .unwrap()
+            .clone();
+        let contents: Contents = [(
+            ("dph-filter-0".to_string(), map.clone()),
+            Content::Keys(HashSet::new()),
+        )]
+        .into();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &second,
+            Some(&contents),
+        )
+        .unwrap();
+        let short: Vec<String> = names(&p.ops)
+            .into_iter()
+            .map(|o| {
+                if o.starts_with("adding rule") {
+                    "adding rule".into()
+                } else {
+                    o
+                }
+            })
+            .collect();
+        assert_eq!(
+            short,
+            [
+                "flushing chain dph-filter-0/dph-from-wl-dispatch".to_string(),
+                format!("removing set dph-filter-0/{map}"),
+                format!("adding map dph-filter-0/{map}"),
+                format!("adding 1 entries to dph-filter-0/{map}"),
+                "adding rule".to_string(),
+                "adding rule".to_string(),
+            ]
+        );
+        // As read with its entries: nothing to do.
+        let whole: Contents = [(
+            ("dph-filter-0".to_string(), map.clone()),
+            Content::Keys([Key::ifname("cali1")].into()),
+        )]
+        .into();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &second,
+            Some(&whole),
+        )
+        .unwrap();
+        assert!(p.ops.is_empty(), "{:?}", names(&p.ops));
     }
 
     /// A base chain found at another priority (made again by hand) is
@@ -801,7 +1137,15 @@ mod tests {
     #[test]
     fn a_hook_at_the_wrong_priority_is_made_again() {
         let (mut tables, mut sets) = state();
-        let p = plan(Family::Ip, "dph-", &tables, &sets, &Observed::new(), None).unwrap();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &Observed::new(),
+            None,
+        )
+        .unwrap();
         committed(&mut tables, &mut sets);
         let mut read = p.after.clone();
         let forward = read
@@ -816,7 +1160,15 @@ mod tests {
             Content::Keys([Key::Addr("10.0.0.1".parse().unwrap())].into()),
         )]
         .into();
-        let again = plan(Family::Ip, "dph-", &tables, &sets, &read, Some(&contents)).unwrap();
+        let again = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &read,
+            Some(&contents),
+        )
+        .unwrap();
         assert_eq!(
             names(&again.ops),
             [
@@ -834,9 +1186,17 @@ mod tests {
     #[test]
     fn changes_alone_are_planned_without_the_rest() {
         let (mut tables, mut sets) = state();
-        let p = plan(Family::Ip, "dph-", &tables, &sets, &Observed::new(), None).unwrap();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &Observed::new(),
+            None,
+        )
+        .unwrap();
         assert!(
-            plan_changes(Family::Ip, "dph-", &tables, &sets, &p.after).is_none(),
+            plan_changes(Family::Ip, "dph-", &refs(&tables), &sets, &p.after).is_none(),
             "new sets and chains take a full plan"
         );
         committed(&mut tables, &mut sets);
@@ -848,7 +1208,7 @@ mod tests {
             &mut [ip("10.0.0.2")].into_iter(),
             &mut std::iter::empty(),
         );
-        let c = plan_changes(Family::Ip, "dph-", &tables, &sets, &observed).unwrap();
+        let c = plan_changes(Family::Ip, "dph-", &refs(&tables), &sets, &observed).unwrap();
         assert_eq!(names(&c.ops), ["adding 1 elements to dph-filter/dph40s"]);
         committed(&mut tables, &mut sets);
 
@@ -860,7 +1220,7 @@ mod tests {
                 vec![r("-p tcp -m multiport --destination-ports 1,2 -j DROP")],
             )
             .unwrap();
-        let c = plan_changes(Family::Ip, "dph-", &tables, &sets, &observed).unwrap();
+        let c = plan_changes(Family::Ip, "dph-", &refs(&tables), &sets, &observed).unwrap();
         let n = names(&c.ops);
         assert_eq!(n[0], "flushing chain dph-filter/dph-a");
         assert!(n[1].starts_with("adding set dph-filter/ports-"), "{n:?}");
@@ -871,18 +1231,26 @@ mod tests {
         // A new jump reshapes the table: a full plan.
         tables[0].set_chain("dph-b", vec![r("-j ACCEPT")]).unwrap();
         tables[0].set_chain("dph-a", vec![r("-j dph-b")]).unwrap();
-        assert!(plan_changes(Family::Ip, "dph-", &tables, &sets, &observed).is_none());
+        assert!(plan_changes(Family::Ip, "dph-", &refs(&tables), &sets, &observed).is_none());
     }
 
     #[test]
     fn what_nothing_reaches_goes_after_the_rules_that_used_it() {
         let (mut tables, mut sets) = state();
-        let p = plan(Family::Ip, "dph-", &tables, &sets, &Observed::new(), None).unwrap();
+        let p = plan(
+            Family::Ip,
+            "dph-",
+            &refs(&tables),
+            &sets,
+            &Observed::new(),
+            None,
+        )
+        .unwrap();
         committed(&mut tables, &mut sets);
         tables[0]
             .set_hooks("FORWARD", vec![r("-j ACCEPT")])
             .unwrap();
-        let q = plan(Family::Ip, "dph-", &tables, &sets, &p.after, None).unwrap();
+        let q = plan(Family::Ip, "dph-", &refs(&tables), &sets, &p.after, None).unwrap();
         let n = names(&q.ops);
         let flush = n
             .iter()
@@ -898,7 +1266,7 @@ mod tests {
         // A set no longer desired and used by nothing goes.
         sets.remove("dph40s");
         let after = q.after;
-        let z = plan(Family::Ip, "dph-", &tables, &sets, &after, None).unwrap();
+        let z = plan(Family::Ip, "dph-", &refs(&tables), &sets, &after, None).unwrap();
         assert_eq!(names(&z.ops), ["removing set dph-filter/dph40s"]);
     }
 }

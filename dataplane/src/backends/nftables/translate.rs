@@ -61,6 +61,117 @@ pub struct Translated {
     pub port_sets: Vec<PortSet>,
     /// The chain it jumps or goes to.
     pub target: Option<String>,
+    /// The interface dispatch it looks its verdict up in.
+    pub dispatch: Option<std::sync::Arc<Dispatch>>,
+}
+
+/// A dispatch chain (`-i <interface> -g <chain>` per interface, then
+/// `-j DROP` or `-j RETURN`) as one verdict-map lookup, `meta iifname
+/// vmap @<name>`, and that last rule: one hash lookup per packet where the
+/// rules were a walk of the interfaces. Named after its contents, as port
+/// lists are: a changed dispatch is a new map.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    pub name: String,
+    /// `-i` (the packet's input interface) or `-o`.
+    pub input: bool,
+    /// Interface → the chain it goes to, in the rules' order.
+    pub entries: Vec<(String, String)>,
+    /// An interface not in the map is dropped (else returned).
+    pub drop: bool,
+}
+
+impl Dispatch {
+    /// `rules` as a dispatch map, if that is what they are: at least one
+    /// `-i|-o <interface> -g <chain>` (one direction, exact names, each
+    /// once) and a last `-j DROP` or `-j RETURN`.
+    pub fn of(rules: &[&str]) -> Option<Self> {
+        let (last, gotos) = rules.split_last()?;
+        let drop = match *last {
+            "-j DROP" => true,
+            "-j RETURN" => false,
+            _ => return None,
+        };
+        if gotos.is_empty() {
+            return None;
+        }
+        let mut input = None;
+        let mut entries = Vec::with_capacity(gotos.len());
+        let mut seen = std::collections::HashSet::with_capacity(gotos.len());
+        for r in gotos {
+            let t: Vec<&str> = r.split(' ').collect();
+            let [flag, iface, "-g", chain] = t[..] else {
+                return None;
+            };
+            let i = match flag {
+                "-i" => true,
+                "-o" => false,
+                _ => return None,
+            };
+            if *input.get_or_insert(i) != i
+                || iface.ends_with('+')
+                || iface.len() > 15
+                || !seen.insert(iface)
+            {
+                return None;
+            }
+            entries.push((iface.to_string(), chain.to_string()));
+        }
+        let input = input?;
+        use sha2::Digest as _;
+        let mut h = sha2::Sha224::new();
+        for (i, c) in &entries {
+            h.update(i.as_bytes());
+            h.update(b" ");
+            h.update(c.as_bytes());
+            h.update(b"\n");
+        }
+        h.update(if drop { &b"drop"[..] } else { b"return" });
+        let sum = h.finalize();
+        let hex: String = sum[..8].iter().map(|b| format!("{b:02x}")).collect();
+        Some(Self {
+            name: format!("dispatch-{}-{hex}", if input { "in" } else { "out" }),
+            input,
+            entries,
+            drop,
+        })
+    }
+
+    /// The rule after the lookup.
+    pub fn last(&self) -> &'static str {
+        if self.drop { "-j DROP" } else { "-j RETURN" }
+    }
+
+    /// The map's entries: each interface's name, NUL-padded, and a goto.
+    pub fn elements(&self) -> Vec<(super::ops::Key, Verdict)> {
+        self.entries
+            .iter()
+            .map(|(i, c)| (super::ops::Key::ifname(i), Verdict::Goto(c.clone())))
+            .collect()
+    }
+
+    /// The lookup rule and the drop.
+    pub fn rules(self: &std::sync::Arc<Self>) -> [Translated; 2] {
+        let meta = if self.input {
+            Meta::IifName
+        } else {
+            Meta::OifName
+        };
+        let lookup = Translated {
+            exprs: vec![
+                Expr::Meta(meta),
+                Expr::VerdictMap {
+                    map: self.name.clone(),
+                },
+            ],
+            sets: Vec::new(),
+            port_sets: Vec::new(),
+            target: None,
+            dispatch: Some(std::sync::Arc::clone(self)),
+        };
+        let last = translate(self.last(), false).expect("a drop or return translates");
+        [lookup, last]
+    }
 }
 
 /// The IPv4 and IPv6 protocol numbers of a `-p` value.
@@ -287,6 +398,7 @@ pub fn translate(text: &str, v6: bool) -> Result<Translated, TranslateError> {
             sets: Vec::new(),
             port_sets: Vec::new(),
             target: None,
+            dispatch: None,
         },
         proto: None,
     };
@@ -530,6 +642,53 @@ mod tests {
             t.exprs.last(),
             Some(&Expr::Verdict(Verdict::Goto("dph-x".into())))
         );
+    }
+
+    #[test]
+    fn interface_dispatch_is_one_map_lookup() {
+        let rules = [
+            "-i cali1 -g dph-fw-cali1",
+            "-i cali2 -g dph-fw-cali2",
+            "-j DROP",
+        ];
+        let d = std::sync::Arc::new(Dispatch::of(&rules).expect("a dispatch"));
+        assert!(d.input && d.name.starts_with("dispatch-in-"));
+        assert_eq!(
+            d.entries,
+            [("cali1", "dph-fw-cali1"), ("cali2", "dph-fw-cali2")]
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+        let [lookup, drop] = d.rules();
+        assert_eq!(
+            lookup.exprs,
+            [
+                Expr::Meta(Meta::IifName),
+                Expr::VerdictMap {
+                    map: d.name.clone()
+                }
+            ]
+        );
+        assert_eq!(drop, translate("-j DROP", false).unwrap());
+        // Named by what it holds.
+        let other = Dispatch::of(&["-i cali1 -g dph-fw-cali1", "-j DROP"]).unwrap();
+        assert_ne!(other.name, d.name);
+        assert_eq!(Dispatch::of(&rules).unwrap().name, d.name);
+        // Ending in a return: the same map, unknown interfaces go on.
+        let ret = Dispatch::of(&["-i cali1 -g dph-fw-cali1", "-j RETURN"]).unwrap();
+        assert!(!ret.drop && ret.last() == "-j RETURN");
+        assert_ne!(ret.name, other.name, "named by the end too");
+        // Anything else stays rules: a wildcard, both directions, another
+        // end, a name twice, no interface at all.
+        for not in [
+            &["-i cali+ -g dph-x", "-j DROP"][..],
+            &["-i cali1 -g dph-x", "-o cali2 -g dph-y", "-j DROP"],
+            &["-i cali1 -g dph-x", "-j ACCEPT"],
+            &["-i cali1 -g dph-x", "-i cali1 -g dph-y", "-j DROP"],
+            &["-i cali1 -j dph-x", "-j DROP"],
+            &["-j DROP"],
+        ] {
+            assert!(Dispatch::of(not).is_none(), "{not:?}");
+        }
     }
 
     #[test]

@@ -565,7 +565,7 @@ impl EndpointsManager {
                 .iter()
                 .map(|i| (*i, self.endpoint_chain(dir, i)))
                 .collect();
-            self.dispatch_tree(flag, root, wl.len(), &entries, &mut chains)?;
+            self.dispatch_tree(flag, (&root, root.clone()), wl.len(), &entries, &mut chains)?;
         }
         Ok(chains)
     }
@@ -575,18 +575,34 @@ impl EndpointsManager {
     /// there are many, one `-i <name prefix>+ -g <child>` per next
     /// character (Felix splits its dispatch chains the same way), so that
     /// an endpoint coming or going rewrites one small chain rather than a
-    /// chain with a rule per endpoint. Unknown interfaces are dropped at
+    /// chain with a rule per endpoint. Characters all of them share make
+    /// no level of their own, and a child whose name would be too long is
+    /// named by a hash of its prefix (`<root>.<hex>`, where a name from the prefix has a `-`), so that names with
+    /// a long common prefix split too. Unknown interfaces are dropped at
     /// every level: fail closed.
     fn dispatch_tree(
         &self,
         flag: &str,
-        name: String,
+        (root, name): (&str, String),
         depth: usize,
         entries: &[(&str, String)],
         out: &mut Chains,
     ) -> Result<(), ManagerError> {
         let mut rules = Vec::new();
-        let split = entries.len() > DISPATCH_LEAF && name.len() + 2 <= MAX_CHAIN_NAME;
+        // Room for a hashed child name of at least 4 characters.
+        let split = entries.len() > DISPATCH_LEAF && root.len() + 5 <= MAX_CHAIN_NAME;
+        let mut depth = depth;
+        if split {
+            let first = entries[0].0.as_bytes();
+            while let Some(c) = first.get(depth)
+                && entries
+                    .iter()
+                    .all(|(n, _)| n.as_bytes().get(depth) == Some(c))
+            {
+                depth += 1;
+            }
+        }
+        let wl = self.cfg.workload_prefix.len();
         let mut i = 0;
         while i < entries.len() {
             let (iface, target) = &entries[i];
@@ -602,14 +618,17 @@ impl EndpointsManager {
             if j - i == 1 {
                 rules.push(rule(&[flag, iface, "-g", target])?);
             } else {
-                let c = &key[depth..];
-                let child = if depth == self.cfg.workload_prefix.len() {
-                    format!("{name}-{c}")
+                let named = format!("{root}-{}", &key[wl..]);
+                let child = if named.len() <= MAX_CHAIN_NAME {
+                    named
                 } else {
-                    format!("{name}{c}")
+                    use sha2::Digest as _;
+                    let sum = sha2::Sha224::digest(key.as_bytes());
+                    let hex: String = sum.iter().map(|b| format!("{b:02x}")).collect();
+                    format!("{root}.{}", &hex[..MAX_CHAIN_NAME - root.len() - 1])
                 };
                 rules.push(rule(&[flag, &format!("{key}+"), "-g", &child])?);
-                self.dispatch_tree(flag, child, depth + 1, &entries[i..j], out)?;
+                self.dispatch_tree(flag, (root, child), depth + 1, &entries[i..j], out)?;
             }
             i = j;
         }

@@ -676,6 +676,48 @@ fn dispatch_is_a_tree_that_reaches_every_endpoint() {
     );
 }
 
+/// Names sharing a long prefix (`cali` and seven zeros) split too: the
+/// shared characters make no level of their own, and children whose
+/// names would be too long are named by a hash.
+#[test]
+fn dispatch_splits_names_with_a_long_common_prefix() {
+    let mut m = mgr();
+    let names: Vec<String> = (0..3000u32).map(|i| format!("cali{i:011x}")).collect();
+    for n in &names {
+        m.on_update(&wep(n, vec![], &[], EndpointState::Active));
+    }
+    let c = run(&mut m, &mut kernel(IpVersion::V4), "filter");
+    let dispatch: Vec<(&String, &Vec<String>)> =
+        c.iter().filter(|(n, _)| n.contains("dispatch")).collect();
+    assert!(
+        dispatch.iter().all(|(n, r)| n.len() <= 28 && r.len() <= 40),
+        "{:?}",
+        dispatch
+            .iter()
+            .map(|(n, r)| (n.as_str(), r.len()))
+            .filter(|(_, l)| *l > 40)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        dispatch.iter().any(|(n, _)| n.contains('.')),
+        "hashed names"
+    );
+    for n in names.iter().step_by(7) {
+        assert_eq!(
+            dispatch_to(&c, "dph-from-wl-dispatch", n),
+            format!("dph-fw-{n}")
+        );
+        assert_eq!(
+            dispatch_to(&c, "dph-to-wl-dispatch", n),
+            format!("dph-tw-{n}")
+        );
+    }
+    assert_eq!(
+        dispatch_to(&c, "dph-from-wl-dispatch", "cali0000000ffff"),
+        "DROP"
+    );
+}
+
 #[test]
 fn vxlan_to_this_host_only_from_known_nodes() {
     let filter = |v, encap: crate::model::Encapsulation| {
