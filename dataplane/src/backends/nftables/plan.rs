@@ -915,7 +915,17 @@ pub fn plan_changes(
 
 #[cfg(test)]
 mod tests {
-    /// The tables as the plan takes them.
+    /// [`plan`] of IPv4 tables `tables` with our prefix.
+    fn plan_v4(
+        tables: &[ChainTable],
+        sets: &DesiredSets,
+        observed: &Observed,
+        contents: Option<&Contents>,
+    ) -> Result<Plan, PlanError> {
+        plan(Family::Ip, "dph-", &refs(tables), sets, observed, contents)
+    }
+
+    /// The tables as the plans take them.
     fn refs(tables: &[ChainTable]) -> Vec<&ChainTable> {
         tables.iter().collect()
     }
@@ -969,15 +979,7 @@ mod tests {
     #[test]
     fn a_first_plan_makes_everything_in_an_order_the_kernel_takes() {
         let (mut tables, mut sets) = state();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &Observed::new(),
-            None,
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
         committed(&mut tables, &mut sets);
         assert_eq!(
             names(&p.ops),
@@ -996,7 +998,7 @@ mod tests {
             names(&p.ops)
         );
         // Planned again against what it leaves: nothing to do.
-        let again = plan(Family::Ip, "dph-", &refs(&tables), &sets, &p.after, None).unwrap();
+        let again = plan_v4(&tables, &sets, &p.after, None).unwrap();
         assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
     }
 
@@ -1023,15 +1025,7 @@ mod tests {
             .unwrap();
         let mut tables = vec![t];
         let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &Observed::new(),
-            None,
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
         let ops = names(&p.ops);
         let pos = |what: &str| {
             ops.iter()
@@ -1051,7 +1045,7 @@ mod tests {
             .set_chain("dph-from-wl-dispatch", dispatch(&["cali1"]))
             .unwrap();
         tables[0].remove_chain("dph-fw-cali2");
-        let p = plan(Family::Ip, "dph-", &refs(&tables), &sets, &first, None).unwrap();
+        let p = plan_v4(&tables, &sets, &first, None).unwrap();
         let ops = names(&p.ops);
         let pos = |what: &str| {
             ops.iter()
@@ -1069,7 +1063,7 @@ mod tests {
         assert!(pos("adding 1 entries to dph-filter-0/dispatch-in-") < pos("adding rule"));
         committed(&mut tables, &mut sets);
         let second = p.after.clone();
-        let again = plan(Family::Ip, "dph-", &refs(&tables), &sets, &second, None).unwrap();
+        let again = plan_v4(&tables, &sets, &second, None).unwrap();
         assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
 
         // An entry taken out by hand: the map and its chain made again.
@@ -1084,15 +1078,7 @@ mod tests {
             Content::Keys(HashSet::new()),
         )]
         .into();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &second,
-            Some(&contents),
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &second, Some(&contents)).unwrap();
         let short: Vec<String> = names(&p.ops)
             .into_iter()
             .map(|o| {
@@ -1120,15 +1106,7 @@ mod tests {
             Content::Keys([Key::ifname("cali1")].into()),
         )]
         .into();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &second,
-            Some(&whole),
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &second, Some(&whole)).unwrap();
         assert!(p.ops.is_empty(), "{:?}", names(&p.ops));
     }
 
@@ -1137,15 +1115,7 @@ mod tests {
     #[test]
     fn a_hook_at_the_wrong_priority_is_made_again() {
         let (mut tables, mut sets) = state();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &Observed::new(),
-            None,
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
         committed(&mut tables, &mut sets);
         let mut read = p.after.clone();
         let forward = read
@@ -1160,15 +1130,7 @@ mod tests {
             Content::Keys([Key::Addr("10.0.0.1".parse().unwrap())].into()),
         )]
         .into();
-        let again = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &read,
-            Some(&contents),
-        )
-        .unwrap();
+        let again = plan_v4(&tables, &sets, &read, Some(&contents)).unwrap();
         assert_eq!(
             names(&again.ops),
             [
@@ -1186,15 +1148,7 @@ mod tests {
     #[test]
     fn changes_alone_are_planned_without_the_rest() {
         let (mut tables, mut sets) = state();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &Observed::new(),
-            None,
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
         assert!(
             plan_changes(Family::Ip, "dph-", &refs(&tables), &sets, &p.after).is_none(),
             "new sets and chains take a full plan"
@@ -1237,20 +1191,12 @@ mod tests {
     #[test]
     fn what_nothing_reaches_goes_after_the_rules_that_used_it() {
         let (mut tables, mut sets) = state();
-        let p = plan(
-            Family::Ip,
-            "dph-",
-            &refs(&tables),
-            &sets,
-            &Observed::new(),
-            None,
-        )
-        .unwrap();
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
         committed(&mut tables, &mut sets);
         tables[0]
             .set_hooks("FORWARD", vec![r("-j ACCEPT")])
             .unwrap();
-        let q = plan(Family::Ip, "dph-", &refs(&tables), &sets, &p.after, None).unwrap();
+        let q = plan_v4(&tables, &sets, &p.after, None).unwrap();
         let n = names(&q.ops);
         let flush = n
             .iter()
@@ -1266,7 +1212,7 @@ mod tests {
         // A set no longer desired and used by nothing goes.
         sets.remove("dph40s");
         let after = q.after;
-        let z = plan(Family::Ip, "dph-", &refs(&tables), &sets, &after, None).unwrap();
+        let z = plan_v4(&tables, &sets, &after, None).unwrap();
         assert_eq!(names(&z.ops), ["removing set dph-filter/dph40s"]);
     }
 }

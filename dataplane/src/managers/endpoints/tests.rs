@@ -620,6 +620,18 @@ fn dispatch_to(c: &Chains, root: &str, iface: &str) -> String {
     }
 }
 
+/// Both dispatch trees take `iface` to its endpoint's chains.
+fn assert_dispatched(c: &Chains, iface: &str) {
+    assert_eq!(
+        dispatch_to(c, "dph-from-wl-dispatch", iface),
+        format!("dph-fw-{iface}")
+    );
+    assert_eq!(
+        dispatch_to(c, "dph-to-wl-dispatch", iface),
+        format!("dph-tw-{iface}")
+    );
+}
+
 #[test]
 fn dispatch_is_a_tree_that_reaches_every_endpoint() {
     let mut m = mgr();
@@ -644,14 +656,7 @@ fn dispatch_is_a_tree_that_reaches_every_endpoint() {
             .all(|n| n.len() <= 28)
     );
     for n in &names {
-        assert_eq!(
-            dispatch_to(&c, "dph-from-wl-dispatch", n),
-            format!("dph-fw-{n}")
-        );
-        assert_eq!(
-            dispatch_to(&c, "dph-to-wl-dispatch", n),
-            format!("dph-tw-{n}")
-        );
+        assert_dispatched(&c, n);
     }
     assert_eq!(dispatch_to(&c, "dph-from-wl-dispatch", "cali1ffff"), "DROP");
     assert_eq!(dispatch_to(&c, "dph-from-wl-dispatch", "calizzz"), "DROP");
@@ -703,14 +708,7 @@ fn dispatch_splits_names_with_a_long_common_prefix() {
         "hashed names"
     );
     for n in names.iter().step_by(7) {
-        assert_eq!(
-            dispatch_to(&c, "dph-from-wl-dispatch", n),
-            format!("dph-fw-{n}")
-        );
-        assert_eq!(
-            dispatch_to(&c, "dph-to-wl-dispatch", n),
-            format!("dph-tw-{n}")
-        );
+        assert_dispatched(&c, n);
     }
     assert_eq!(
         dispatch_to(&c, "dph-from-wl-dispatch", "cali0000000ffff"),
