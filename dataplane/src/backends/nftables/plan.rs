@@ -190,9 +190,11 @@ pub fn plan(
         .map(|t| table_name(chain_prefix, t.table()))
         .collect();
     // A table none of whose chains changed (most shards, most of the
-    // time) is planned for its sets' members alone, as written last.
+    // time) is planned for its sets' members alone, as written last (not
+    // one that holds every set: a new set goes there with no chain
+    // changed).
     let quiet = |t: &ChainTable, obs: Option<&ObservedTable>| {
-        obs.is_some() && contents.is_none() && !t.changed && !t.spare_sets_only && !sets.removed_any
+        obs.is_some() && contents.is_none() && !t.changed && !t.all_sets && !sets.removed_any
     };
     let names: Vec<String> = tables
         .iter()
@@ -971,9 +973,47 @@ mod tests {
         sets.changes.clear();
         sets.removed_any = false;
         for t in tables {
+            t.changed = false;
             t.reshaped = false;
             t.touched.clear();
         }
+    }
+
+    /// A full plan takes a table none of whose chains changed as it was
+    /// written, with its sets' new members only.
+    #[test]
+    fn a_quiet_table_gets_its_members_alone() {
+        let (mut tables, mut sets) = state();
+        let mut raw = ChainTable::new("raw", IpVersion::V4, Ownership::new("dph"));
+        raw.set_chain("dph-b", vec![r("-m set --match-set dph40s src -j DROP")])
+            .unwrap();
+        raw.set_hooks("PREROUTING", vec![r("-j dph-b")]).unwrap();
+        tables.push(raw);
+        let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+        committed(&mut tables, &mut sets);
+        sets.delta(
+            "dph40s",
+            &mut [ip("10.0.0.2")].into_iter(),
+            &mut std::iter::empty(),
+        );
+        // filter changes (a new chain: a full plan); raw does not.
+        tables[0].set_chain("dph-c", vec![r("-j DROP")]).unwrap();
+        tables[0]
+            .set_hooks("FORWARD", vec![r("-j dph-a"), r("-j dph-c")])
+            .unwrap();
+        assert!(tables[0].reshaped && !tables[1].changed);
+        let again = plan_v4(&tables, &sets, &p.after, None).unwrap();
+        let raw_ops: Vec<String> = names(&again.ops)
+            .into_iter()
+            .filter(|o| o.contains("dph-raw"))
+            .collect();
+        assert_eq!(raw_ops, ["adding 1 elements to dph-raw/dph40s"]);
+        assert_eq!(again.after["dph-raw"], p.after["dph-raw"]);
+        assert!(
+            names(&again.ops).contains(&"adding 1 elements to dph-filter/dph40s".to_string()),
+            "{:?}",
+            names(&again.ops)
+        );
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //!   goes to one of two small chains instead of the endpoint's: they set
 //!   the endpoint's "allowed" mark (so filter goes on as if its policy had
 //!   allowed the packet) and a pending bit (`Marks::pending_from` /
-//!   `pending_to`);
+//!   `pending_to`), which filter's forward and input hooks clear first
+//!   (only its dispatch sets them);
 //! - each shard hooks `forward` and `input` after filter
 //!   ([`super::chains::SHARD_PRIORITY`]) and, for a packet with a pending bit, looks its
 //!   interface up in a verdict map of the shard's endpoints and goes to
@@ -555,6 +556,17 @@ impl RuleTable for Filter {
     }
 
     fn set_hooks(&mut self, builtin: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        // Sharded, a packet enters forward and input with no pending bit
+        // (whatever set one before): only filter's dispatch sets them.
+        let rules = match &self.layout {
+            Some(l) if !rules.is_empty() && matches!(builtin, "FORWARD" | "INPUT") => {
+                let bits = l.from_bit | l.to_bit;
+                let mut all = vec![rule(&format!("-j MARK --set-xmark 0x0/{bits:#x}"))];
+                all.extend(rules);
+                all
+            }
+            _ => rules,
+        };
         self.main.set_hooks(builtin, rules)
     }
 
@@ -566,7 +578,13 @@ impl RuleTable for Filter {
     }
 
     fn hooks(&self, builtin: &str) -> &[Rule] {
-        self.main.hooks(builtin)
+        let hooks = self.main.hooks(builtin);
+        match &self.layout {
+            // The managers' rules, without the clearing of the pending
+            // bits put before them.
+            Some(_) if matches!(builtin, "FORWARD" | "INPUT") && !hooks.is_empty() => &hooks[1..],
+            _ => hooks,
+        }
     }
 
     fn programmed(&self) -> BTreeSet<String> {
@@ -686,6 +704,11 @@ mod tests {
             assert!(d.translated[0].dispatch.is_some(), "a verdict map");
             assert_eq!(d.rules.last().unwrap().text(), "-j RETURN");
         }
+        // Filter's forward hook clears the pending bits before anything.
+        let fwd = &f.main.hooks["FORWARD"].rules;
+        assert_eq!(fwd[0].text(), "-j MARK --set-xmark 0x0/0xc00000");
+        assert_eq!(fwd[1].text(), "-i cali+ -j dph-from-wl-dispatch");
+        assert_eq!(RuleTable::hooks(&f, "FORWARD").len(), 2);
         // A policy changed in filter is copied again where it is used.
         f.set_chain(
             "dph-pi-pol-3",
