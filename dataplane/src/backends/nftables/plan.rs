@@ -185,10 +185,11 @@ pub fn plan(
 ) -> Result<Plan, PlanError> {
     let mut st = Stages::default();
     let mut out = Plan::default();
-    let wanted_tables: BTreeSet<String> = tables
+    let names: Vec<String> = tables
         .iter()
         .map(|t| table_name(chain_prefix, t.table()))
         .collect();
+    let wanted_tables: BTreeSet<String> = names.iter().cloned().collect();
     // A table none of whose chains changed (most shards, most of the
     // time) is planned for its sets' members alone, as written last (not
     // one that holds every set: a new set goes there with no chain
@@ -196,10 +197,6 @@ pub fn plan(
     let quiet = |t: &ChainTable, obs: Option<&ObservedTable>| {
         obs.is_some() && contents.is_none() && !t.changed && !t.all_sets && !sets.removed_any
     };
-    let names: Vec<String> = tables
-        .iter()
-        .map(|t| table_name(chain_prefix, t.table()))
-        .collect();
     let mut reaches: Vec<Option<HashSet<&str>>> = tables
         .iter()
         .zip(&names)

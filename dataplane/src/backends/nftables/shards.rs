@@ -34,7 +34,7 @@
 //! With fewer than 2 shards, or a mark mask without the two bits, nothing
 //! is routed: filter holds every chain as before.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::chains::{ChainTable, END};
 use crate::backends::desired::RuleTable;
@@ -103,9 +103,8 @@ struct Placement {
     refs: Vec<HashMap<String, usize>>,
     /// Per shard and direction: its interfaces.
     members: Vec<[BTreeSet<String>; 2]>,
-    /// Endpoint chains set since the last [`Filter::settle`] (`None`:
-    /// removed).
-    dirty: BTreeMap<String, Option<Vec<Rule>>>,
+    /// Endpoint chains set or removed since the last [`Filter::settle`].
+    dirty: BTreeSet<String>,
     /// Filter's chains set since then that a shard holds a copy of.
     recopy: BTreeSet<String>,
     /// The endpoint chains as the managers set them.
@@ -168,7 +167,7 @@ impl Filter {
             load: vec![0; n],
             refs: vec![HashMap::new(); n],
             members: vec![Default::default(); n],
-            dirty: BTreeMap::new(),
+            dirty: BTreeSet::new(),
             recopy: BTreeSet::new(),
             endpoints: HashMap::new(),
         };
@@ -266,10 +265,10 @@ impl Filter {
             }
         }
         let mut touched: BTreeSet<usize> = BTreeSet::new();
-        for (name, rules) in dirty {
+        for name in dirty {
             let (dir, iface) = l.endpoint(&name).expect("only endpoint chains are dirty");
             let iface = iface.to_string();
-            match rules {
+            match l.endpoints.get(&name).cloned() {
                 Some(rules) => {
                     let s = match l.placed.get(&iface) {
                         Some(s) => *s,
@@ -514,15 +513,12 @@ impl RuleTable for Filter {
             return self.main.set_chain(name, rules);
         };
         if l.endpoint(name).is_some() {
-            if !name.starts_with(&l.chain_prefix) {
-                return Err(RuleError::ChainName(name.to_string()));
-            }
-            // Checked now (a rule that cannot be translated is refused
-            // here, as filter would refuse it), placed at the next plan.
-            self.main.build(name, rules.clone())?;
             if l.endpoints.get(name) != Some(&rules) {
-                l.endpoints.insert(name.to_string(), rules.clone());
-                l.dirty.insert(name.to_string(), Some(rules));
+                // Checked now (a rule that cannot be translated is refused
+                // here, as filter would refuse it), placed at the next plan.
+                self.main.build(name, rules.clone())?;
+                l.endpoints.insert(name.to_string(), rules);
+                l.dirty.insert(name.to_string());
             }
             return Ok(());
         }
@@ -544,7 +540,7 @@ impl RuleTable for Filter {
         };
         if l.endpoint(name).is_some() {
             if l.endpoints.remove(name).is_some() {
-                l.dirty.insert(name.to_string(), None);
+                l.dirty.insert(name.to_string());
             }
             return;
         }
