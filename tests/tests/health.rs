@@ -209,22 +209,34 @@ async fn metrics_count_what_the_daemon_did() -> Result<()> {
     if kernel::nftables() {
         // Commits, not tools; what our filter table holds, as nft lists it.
         assert!(get("dphandler_nftables_commits_total{ip_version=\"4\"}") >= 1.0);
+        // Filter and its shards.
         let listed = kernel::our_rules(&ns, false, "filter")?;
         let chains = listed.matches("\tchain ").count();
         let rules = listed.matches("comment \"dph:").count();
         assert!(chains > 0, "{listed}");
-        let label = "{ip_version=\"4\",table=\"dph-filter\"}";
+        let of_filter = |metric: &str| -> f64 {
+            let prefix = format!("{metric}{{ip_version=\"4\",table=\"dph-filter");
+            m.iter()
+                .filter(|(k, _)| k.starts_with(&prefix))
+                .map(|(_, v)| v)
+                .sum()
+        };
         assert_eq!(
-            get(&format!("dphandler_nftables_chains{label}")),
+            of_filter("dphandler_nftables_chains"),
             chains as f64,
             "{listed}"
         );
         assert_eq!(
-            get(&format!("dphandler_nftables_rules{label}")),
+            of_filter("dphandler_nftables_rules"),
             rules as f64,
             "{listed}"
         );
-        let sets = listed.matches("\tset dph40").count();
+        // Each set once, wherever it is (a shard's copy is the same set).
+        let sets = listed
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("set dph40"))
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
         assert_eq!(
             get("dphandler_ipsets{ip_version=\"4\"}"),
             sets as f64,

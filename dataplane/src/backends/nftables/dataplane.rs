@@ -599,8 +599,8 @@ impl Backend for Dataplane {
         if self.observed.is_none() {
             return;
         }
-        for t in TABLES {
-            let name = super::plan::table_name(&self.own.chain_prefix, t);
+        for t in self.chain_tables() {
+            let name = super::plan::table_name(&self.own.chain_prefix, t.table());
             let label = crate::metrics::TableLabel {
                 ip_version: v.ip_version.clone(),
                 table: name.clone(),
@@ -609,14 +609,17 @@ impl Backend for Dataplane {
             m.nftables_chains.get_or_create(&label).set(chains as i64);
             m.nftables_rules.get_or_create(&label).set(rules as i64);
         }
-        // IP sets (all are in the filter table); port lists aside.
-        let filter = super::plan::table_name(&self.own.chain_prefix, "filter");
-        m.ipsets.get_or_create(&v).set(
-            self.sets
-                .sets
-                .len()
-                .min(self.counts.get(&filter).map_or(0, |c| c.2)) as i64,
-        );
+        // IP sets: those of ours some table holds (port lists and the
+        // shards' copies aside).
+        let held: std::collections::HashSet<&str> = self
+            .observed
+            .iter()
+            .flat_map(|o| o.values())
+            .flat_map(|t| t.sets.keys())
+            .filter(|s| self.sets.sets.contains_key(*s))
+            .map(String::as_str)
+            .collect();
+        m.ipsets.get_or_create(&v).set(held.len() as i64);
     }
 
     fn status(&self) -> Vec<(String, String)> {
