@@ -196,11 +196,20 @@ impl ApplyTimes {
     }
 }
 
-/// Timings (Felix's defaults).
+/// Timings (Felix's defaults, but for the apply throttle's).
 #[derive(Debug, Clone)]
 pub struct LoopConfig {
+    /// Applies that may run back to back after a quiet spell.
     pub throttle_burst: u32,
+    /// Under sustained changes, applies start at most once per period.
     pub throttle_period: Duration,
+    /// Under sustained changes, the share of the time spent applying at
+    /// most: after an apply that took `d`, the next one waits
+    /// `d * (1 - duty) / duty`, at most `duty_gap_max` (so one long apply,
+    /// a cold start, does not hold the next change back for long). 1.0:
+    /// no wait.
+    pub apply_duty: f64,
+    pub duty_gap_max: Duration,
     pub drain_max: usize,
     /// The longest wait before a failed apply is retried (Felix's retry
     /// tick).
@@ -225,8 +234,15 @@ pub struct LoopConfig {
 impl Default for LoopConfig {
     fn default() -> Self {
         Self {
+            // Felix counts applies (10, then one per 100 ms), which puts
+            // a floor of ~100 ms on a change's latency under sustained
+            // churn however cheap the apply is; what the throttle is for
+            // (bounded CPU, batching when applies are dear) the duty
+            // bound below gives without that floor.
             throttle_burst: 10,
-            throttle_period: Duration::from_millis(100),
+            throttle_period: Duration::from_millis(10),
+            apply_duty: 0.5,
+            duty_gap_max: Duration::from_millis(50),
             drain_max: 100,
             retry_interval: Duration::from_secs(10),
             retry_first: Duration::from_millis(100),
@@ -310,6 +326,16 @@ struct SessionState {
     rejections: mpsc::UnboundedSender<Rejection>,
 }
 
+/// How long to wait after an apply that took `took` for the applies to
+/// take at most `duty` of the time; `None` for no wait.
+fn duty_gap(took: Duration, duty: f64, max: Duration) -> Option<Duration> {
+    if !(duty > 0.0 && duty < 1.0) {
+        return None;
+    }
+    let gap = took.mul_f64((1.0 - duty) / duty).min(max);
+    (!gap.is_zero()).then_some(gap)
+}
+
 /// The loop itself.
 pub struct SyncLoop {
     cfg: LoopConfig,
@@ -328,6 +354,8 @@ pub struct SyncLoop {
     failures: u32,
     reschedule_at: Option<Instant>,
     refill_at: Option<Instant>,
+    /// No apply before (the duty bound), unless a retry is due.
+    apply_not_before: Option<Instant>,
     apply_times: ApplyTimes,
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     /// The message counters by kind, looked up once each.
@@ -366,6 +394,7 @@ impl SyncLoop {
             failures: 0,
             reschedule_at: None,
             refill_at: None,
+            apply_not_before: None,
             apply_times: ApplyTimes::default(),
             metrics: None,
             msg_counters: HashMap::new(),
@@ -706,6 +735,12 @@ impl SyncLoop {
         if self.retry_at.is_some() {
             return; // a failed apply waits for the retry tick
         }
+        if let Some(at) = self.apply_not_before
+            && Instant::now() < at
+        {
+            self.refill_at = Some(at);
+            return;
+        }
         if let Err(not_until) = self.throttle.check() {
             self.refill_at = Some(Instant::now() + not_until.wait_time_from(self.clock.now()));
             return;
@@ -842,7 +877,10 @@ impl SyncLoop {
         }
         self.status.last_error = None;
         self.failures = 0;
-        self.apply_times.record(started.elapsed());
+        let took = started.elapsed();
+        self.apply_not_before = duty_gap(took, self.cfg.apply_duty, self.cfg.duty_gap_max)
+            .map(|gap| Instant::now() + gap);
+        self.apply_times.record(took);
         if let Some(m) = &self.metrics {
             m.apply_time.observe(started.elapsed().as_secs_f64());
         }

@@ -138,6 +138,15 @@ struct ServeArgs {
     /// Seconds before a failed apply is retried.
     #[arg(long, env = "DPH_RETRY_SECONDS", default_value_t = 10.0)]
     retry_seconds: f64,
+    /// Under sustained changes, applies start at most once per this many
+    /// seconds (after a burst of 10).
+    #[arg(long, env = "DPH_APPLY_INTERVAL_SECONDS", default_value_t = 0.01)]
+    apply_interval_seconds: f64,
+    /// Under sustained changes, the share of the time spent applying at
+    /// most (0 < duty <= 1; 1: applies run back to back): a dear apply is
+    /// followed by a wait that batches what comes in meanwhile.
+    #[arg(long, env = "DPH_APPLY_DUTY", default_value_t = 0.5)]
+    apply_duty: f64,
     /// Seconds between re-reads of our iptables tables (0: never).
     #[arg(long, env = "DPH_IPTABLES_REFRESH_SECONDS", default_value_t = 180.0)]
     iptables_refresh_seconds: f64,
@@ -508,6 +517,12 @@ async fn serve(
         route_refresh: secs(args.route_refresh_seconds, "--route-refresh-seconds")?,
         xdp_refresh: secs(args.xdp_refresh_seconds, "--xdp-refresh-seconds")?,
         retry_interval: secs(args.retry_seconds, "--retry-seconds")?,
+        throttle_period: secs(args.apply_interval_seconds, "--apply-interval-seconds")?,
+        apply_duty: if args.apply_duty > 0.0 && args.apply_duty <= 1.0 {
+            args.apply_duty
+        } else {
+            bail!("--apply-duty must be above 0 and at most 1")
+        },
         ..LoopConfig::default()
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

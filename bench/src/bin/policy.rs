@@ -444,8 +444,13 @@ struct Churn {
     oldest_new: usize,
 }
 
+/// Endpoints added by the churn that are alive at once.
+const LIVE_ENDPOINTS: usize = 20;
+
 /// `rate` messages a second for `seconds`, the mix of the module's doc;
-/// each message's latency (sent → programmed).
+/// each message's latency (sent → programmed). Message `i` is the mix's
+/// `i + salt`th: a second pass with a salt past the first's messages
+/// sends changes of its own (the same one again changes nothing).
 async fn churn(
     a: &Args,
     feed: &mut Feed,
@@ -482,7 +487,10 @@ async fn churn(
                         state.next_new += 1;
                         ("endpoint added", endpoint(state.next_new, j % a.policies, (j + 1) % a.policies))
                     }
-                    8 if state.oldest_new < state.next_new => {
+                    // An added endpoint lives for LIVE_ENDPOINTS more
+                    // adds (one removed right after its add would cancel
+                    // out in the same batch and reach no kernel).
+                    8 if state.next_new - state.oldest_new > LIVE_ENDPOINTS => {
                         state.oldest_new += 1;
                         ("endpoint removed", Payload::WorkloadEndpointRemove(felix::WorkloadEndpointRemove {
                             id: Some(workload_id(state.oldest_new)),
@@ -814,7 +822,8 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
         oldest_new: r.churn.oldest_new,
         ..Default::default()
     };
-    churn(a, &mut feed, &mut traced, a.trace_seconds, 7).await?;
+    let salt = (a.churn_rate * a.churn_seconds) as usize;
+    churn(a, &mut feed, &mut traced, a.trace_seconds, salt).await?;
     r.perf = perf.and_then(Perf::finish);
     if nft {
         let m1 = dphandler_tests::lab::scrape(&ns, 9091)?;

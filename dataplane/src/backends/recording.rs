@@ -19,6 +19,8 @@ pub struct Recorded {
     pub fail_from: Option<usize>,
     pub resyncs: Vec<Refresh>,
     pub resync_pending: bool,
+    /// How long each apply takes (a dear kernel write).
+    pub apply_takes: std::time::Duration,
 }
 
 /// Shared view of a [`RecordingBackend`], kept by the test and the manager.
@@ -79,6 +81,8 @@ impl Backend for RecordingBackend {
         r.resync_pending = true;
     }
     fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
+        let takes = self.handle.lock().apply_takes;
+        std::thread::sleep(takes);
         let mut r = self.handle.lock();
         r.calls += 1;
         let call = r.calls;

@@ -246,10 +246,16 @@ impl ChainTable {
         if self.chains.get(name) == Some(&chain) {
             return;
         }
-        let same_jumps = self
-            .chains
-            .get(name)
-            .is_some_and(|old| old.targets().eq(chain.targets()));
+        // What is programmed depends on the chains a chain jumps to, not
+        // on how often or in which order (a dispatch chain given one more
+        // interface that goes where the others go reshapes nothing).
+        let same_jumps = self.chains.get(name).is_some_and(|old| {
+            old.targets().eq(chain.targets()) || {
+                let a: BTreeSet<&str> = old.targets().collect();
+                let b: BTreeSet<&str> = chain.targets().collect();
+                a == b
+            }
+        });
         if same_jumps {
             self.touched.insert(name.to_string());
         } else {

@@ -21,9 +21,7 @@ use tracing::{debug, info, instrument, warn};
 use super::chains::ChainTable;
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{Family, Op};
-use super::plan::{
-    Content, Contents, Observed, ObservedChain, ObservedTable, Patch, PlanError, plan, plan_changes,
-};
+use super::plan::{Content, Contents, Observed, ObservedChain, ObservedTable, PlanError, plan};
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
 use crate::backends::desired::{RuleTable, SetStore};
@@ -161,19 +159,6 @@ impl NftKernel for NftNetlink {
         }
         Ok((observed, contents))
     }
-}
-
-/// What the kernel holds after a commit: a full plan's whole picture, or
-/// an incremental one's patches to the last.
-enum After {
-    Whole(
-        Observed,
-        std::collections::HashMap<(String, String), Vec<super::intervals::Range>>,
-    ),
-    Patched(
-        Vec<Patch>,
-        std::collections::HashMap<(String, String), Vec<super::intervals::Range>>,
-    ),
 }
 
 /// The nftables dataplane of one IP version.
@@ -466,54 +451,40 @@ impl Backend for Dataplane {
                 backend: self.name(),
                 reason: e.to_string(),
             })?;
-        // The changes alone when they say all (no read to diff against, no
-        // reshaping): at 50,000 rules a full plan walks every chain.
-        let changes = match (&self.observed, &self.contents) {
-            (Some(observed), None) => plan_changes(
+        let p = loop {
+            let observed = self.observed.as_ref().expect("read above");
+            let planned = plan(
                 family,
                 &self.own.chain_prefix,
                 &self.chain_tables(),
                 &self.sets,
                 observed,
-            ),
-            _ => None,
-        };
-        let (ops, after) = match changes {
-            Some(c) => (c.ops, After::Patched(c.patches, c.ranges)),
-            None => {
-                let p = loop {
-                    let observed = self.observed.as_ref().expect("read above");
-                    let planned = plan(
-                        family,
-                        &self.own.chain_prefix,
-                        &self.chain_tables(),
-                        &self.sets,
-                        observed,
-                        self.contents.as_ref(),
-                    );
-                    match planned {
-                        Ok(p) => break p,
-                        Err(PlanError::NeedRead { .. }) if self.contents.is_none() => {
-                            self.read()?
-                        }
-                        Err(e) => {
-                            return Err(BackendError::Inconsistent {
-                                backend: self.name(),
-                                reason: e.to_string(),
-                            });
-                        }
-                    }
-                };
-                (p.ops, After::Whole(p.after, p.ranges))
+                self.contents.as_ref(),
+            );
+            match planned {
+                Ok(p) => break p,
+                Err(PlanError::NeedRead { .. }) if self.contents.is_none() => self.read()?,
+                Err(e) => {
+                    return Err(BackendError::Inconsistent {
+                        backend: self.name(),
+                        reason: e.to_string(),
+                    });
+                }
             }
         };
-        debug!(elapsed = ?planning.elapsed(), incremental = matches!(after, After::Patched(..)), "planned");
+        let whole = p.any_whole();
+        debug!(
+            elapsed = ?planning.elapsed(),
+            whole = ?p.whole_tables().collect::<Vec<_>>(),
+            tables = p.tables.len(),
+            "planned"
+        );
         let started = Instant::now();
-        let n = ops.len();
+        let n = p.ops.len();
         if n > 0 {
             self.attempts += 1;
         }
-        if let Err(e) = self.kernel.commit(&ops) {
+        if let Err(e) = self.kernel.commit(&p.ops) {
             warn!(error = %e, ops = n, "nftables commit refused; reading back");
             self.observed = None;
             self.contents = None;
@@ -521,48 +492,26 @@ impl Backend for Dataplane {
         }
         if n > 0 {
             self.commits += 1;
-            if ops.iter().any(|o| matches!(o, Op::AddRule { .. })) {
+            if p.ops.iter().any(|o| matches!(o, Op::AddRule { .. })) {
                 self.validating += 1;
             }
             if let Ok(mut t) = self.commit_times.lock() {
                 t.push(started.elapsed().as_secs_f64());
             }
-            let (adopted, incremental) =
-                (self.contents.is_some(), matches!(after, After::Patched(..)));
-            info!(ops = n, elapsed = ?started.elapsed(), after_read = adopted, incremental, commits = self.commits, "nftables committed");
+            let adopted = self.contents.is_some();
+            info!(ops = n, elapsed = ?started.elapsed(), after_read = adopted, whole, commits = self.commits, "nftables committed");
         }
-        match after {
-            After::Whole(observed, ranges) => {
-                self.counts = count(&observed);
-                self.observed = Some(observed);
-                self.sets.written_ranges = ranges;
-            }
-            After::Patched(patches, ranges) => {
-                let observed = self.observed.as_mut().expect("planned from it");
-                for p in patches {
-                    match p {
-                        Patch::Chain { table, name, chain } => {
-                            let c = self.counts.entry(table.clone()).or_default();
-                            let t = observed.entry(table).or_default();
-                            let n = chain.comments.len();
-                            match t.chains.insert(name, chain) {
-                                Some(old) => c.1 = c.1 + n - old.comments.len(),
-                                None => {
-                                    c.0 += 1;
-                                    c.1 += n;
-                                }
-                            }
-                        }
-                        Patch::Set { table, info } => {
-                            let c = self.counts.entry(table.clone()).or_default();
-                            let t = observed.entry(table).or_default();
-                            if t.sets.insert(info.name.clone(), info).is_none() {
-                                c.2 += 1;
-                            }
-                        }
-                    }
+        let observed = self.observed.as_mut().expect("planned from it");
+        for name in p.apply_to(observed, &mut self.sets.written_ranges) {
+            match observed.get(&name) {
+                Some(t) => {
+                    let rules = t.chains.values().map(|c| c.comments.len()).sum();
+                    self.counts
+                        .insert(name, (t.chains.len(), rules, t.sets.len()));
                 }
-                self.sets.written_ranges.extend(ranges);
+                None => {
+                    self.counts.remove(&name);
+                }
             }
         }
         self.contents = None;

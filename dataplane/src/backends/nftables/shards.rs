@@ -109,6 +109,9 @@ struct Placement {
     recopy: BTreeSet<String>,
     /// The endpoint chains as the managers set them.
     endpoints: HashMap<String, Vec<Rule>>,
+    /// The workload dispatch chains as the managers set them (filter
+    /// holds them redirected).
+    dispatch: HashMap<String, Vec<Rule>>,
 }
 
 /// How workload policy is spread: over `shards` tables, with the pending
@@ -170,6 +173,7 @@ impl Filter {
             dirty: BTreeSet::new(),
             recopy: BTreeSet::new(),
             endpoints: HashMap::new(),
+            dispatch: HashMap::new(),
         };
         // The two chains filter's dispatch goes to, and its end check.
         for dir in [Dir::From, Dir::To] {
@@ -523,6 +527,13 @@ impl RuleTable for Filter {
             return Ok(());
         }
         let rules = if l.is_dispatch(name) {
+            // The managers set every dispatch chain on each endpoint
+            // change; one as they last set it is left alone (not
+            // rewritten rule by rule first to be found equal).
+            if l.dispatch.get(name) == Some(&rules) {
+                return Ok(());
+            }
+            l.dispatch.insert(name.to_string(), rules.clone());
             rules.into_iter().map(|r| l.redirect(r)).collect()
         } else {
             rules
@@ -544,6 +555,7 @@ impl RuleTable for Filter {
             }
             return;
         }
+        l.dispatch.remove(name);
         self.main.remove_chain(name);
     }
 

@@ -27,6 +27,11 @@ pub const MANGLE: &str = "mangle";
 /// Chains of one table: name → rules.
 pub(super) type Chains = BTreeMap<String, Vec<Rule>>;
 
+/// Dispatch leaves by their chain's name: the flag, depth and entries
+/// they were rendered for, and their rules.
+pub(super) type DispatchMemo =
+    std::collections::HashMap<String, (String, usize, Vec<(String, String)>, Vec<Rule>)>;
+
 /// What an endpoint chain is for (Felix's chain types).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -557,6 +562,7 @@ impl EndpointsManager {
         ifaces.sort_unstable();
         ifaces.dedup();
         let mut chains = Chains::new();
+        let mut memo = DispatchMemo::new();
         for (flag, dir, root) in [
             ("-i", Direction::Outbound, self.p("from-wl-dispatch")),
             ("-o", Direction::Inbound, self.p("to-wl-dispatch")),
@@ -565,8 +571,16 @@ impl EndpointsManager {
                 .iter()
                 .map(|i| (*i, self.endpoint_chain(dir, i)))
                 .collect();
-            self.dispatch_tree(flag, (&root, root.clone()), wl.len(), &entries, &mut chains)?;
+            self.dispatch_tree(
+                flag,
+                (&root, root.clone()),
+                wl.len(),
+                &entries,
+                (&mut chains, &mut memo),
+            )?;
         }
+        // What was not rendered this time is let go.
+        *self.dispatch_memo.borrow_mut() = memo;
         Ok(chains)
     }
 
@@ -586,9 +600,30 @@ impl EndpointsManager {
         (root, name): (&str, String),
         depth: usize,
         entries: &[(&str, String)],
-        out: &mut Chains,
+        (out, memo): (&mut Chains, &mut DispatchMemo),
     ) -> Result<(), ManagerError> {
+        // A leaf (a rule per interface, no subtree) rendered for the same
+        // interfaces last time is taken as it was.
+        let hit = self
+            .dispatch_memo
+            .borrow_mut()
+            .remove(&name)
+            .filter(|(f, d, e, _)| {
+                f == flag
+                    && *d == depth
+                    && e.len() == entries.len()
+                    && e.iter()
+                        .zip(entries)
+                        .all(|((a, b), (c, d))| a == c && b == d)
+            });
+        if let Some(m) = hit {
+            out.insert(name.clone(), m.3.clone());
+            memo.insert(name, m);
+            return Ok(());
+        }
+        let first_depth = depth;
         let mut rules = Vec::new();
+        let mut leaf = true;
         // Room for a hashed child name of at least 4 characters.
         let split = entries.len() > DISPATCH_LEAF && root.len() + 5 <= MAX_CHAIN_NAME;
         let mut depth = depth;
@@ -628,11 +663,28 @@ impl EndpointsManager {
                     format!("{root}.{}", &hex[..MAX_CHAIN_NAME - root.len() - 1])
                 };
                 rules.push(rule(&[flag, &format!("{key}+"), "-g", &child])?);
-                self.dispatch_tree(flag, (root, child), depth + 1, &entries[i..j], out)?;
+                self.dispatch_tree(
+                    flag,
+                    (root, child),
+                    depth + 1,
+                    &entries[i..j],
+                    (&mut *out, &mut *memo),
+                )?;
+                leaf = false;
             }
             i = j;
         }
         rules.push(rule(&["-j", "DROP"])?);
+        if leaf {
+            let kept = entries
+                .iter()
+                .map(|(i, t)| (i.to_string(), t.clone()))
+                .collect();
+            memo.insert(
+                name.clone(),
+                (flag.to_string(), first_depth, kept, rules.clone()),
+            );
+        }
         out.insert(name, rules);
         Ok(())
     }

@@ -203,6 +203,10 @@ pub struct EndpointsManager {
     encap: crate::model::Encapsulation,
     /// The WireGuard keys of the last ConfigUpdate.
     wg_config: std::collections::BTreeMap<String, String>,
+    /// The dispatch leaves last rendered, by their chain's name: one whose
+    /// interfaces did not change is taken as it was (an endpoint coming
+    /// or going changes a few of the 10,000 rules).
+    dispatch_memo: std::cell::RefCell<chains::DispatchMemo>,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -287,6 +291,7 @@ impl EndpointsManager {
             reported_hosts: BTreeMap::new(),
             encap: crate::model::Encapsulation::default(),
             wg_config: std::collections::BTreeMap::new(),
+            dispatch_memo: Default::default(),
             owned: HashMap::new(),
             warned: BTreeSet::new(),
         }

@@ -991,3 +991,40 @@ fn status_reports_follow_endpoints_and_their_links() {
     });
     assert_eq!(status(&mut m), ["ns/cali1 gone", "ns/cali2 down"]);
 }
+
+/// The dispatch leaves kept from the last render give what a render from
+/// scratch gives, as endpoints come and go.
+#[test]
+fn dispatch_kept_from_the_last_render_is_what_a_fresh_render_gives() {
+    let mut m = mgr();
+    let mut k = kernel(IpVersion::V4);
+    let names: Vec<String> = (0..600u32).map(|i| format!("cali{i:011x}")).collect();
+    for n in &names {
+        m.on_update(&wep(n, vec![], &[], EndpointState::Active));
+    }
+    run(&mut m, &mut k, "filter");
+    for (step, n) in ["cali0000000123x", "cali0000000007a", "cali9"]
+        .iter()
+        .enumerate()
+    {
+        m.on_update(&wep(n, vec![], &[], EndpointState::Active));
+        let kept = run(&mut m, &mut k, "filter");
+        let mut fresh_m = mgr();
+        for n in names.iter().map(String::as_str).chain(
+            ["cali0000000123x", "cali0000000007a", "cali9"]
+                .into_iter()
+                .take(step + 1),
+        ) {
+            fresh_m.on_update(&wep(n, vec![], &[], EndpointState::Active));
+        }
+        let fresh = run(&mut fresh_m, &mut kernel(IpVersion::V4), "filter");
+        let dispatch = |c: &Chains| -> Chains {
+            c.iter()
+                .filter(|(n, _)| n.contains("dispatch"))
+                .map(|(n, r)| (n.clone(), r.clone()))
+                .collect()
+        };
+        assert_eq!(dispatch(&kept), dispatch(&fresh), "after adding {n}");
+        assert_dispatched(&kept, n);
+    }
+}

@@ -1,0 +1,139 @@
+//! The cheap plan of one table, from what changed since the last write
+//! alone: its sets' members, and the chains whose rules changed where
+//! nothing was reshaped (no chain added, removed or re-pointed). At
+//! 50,000 rules a full plan walks every chain; most tables, most of the
+//! time, change like this or not at all.
+
+use super::*;
+
+/// The cheap plan of one table.
+#[derive(Debug, Default)]
+pub(super) struct Cheap {
+    pub flushes: Vec<Op>,
+    pub sets: Vec<Op>,
+    pub rules: Vec<Op>,
+    pub patches: Vec<Patch>,
+    pub ranges: Vec<((String, String), Vec<Range>)>,
+}
+
+/// Table `t` (named `table`, `obs` as last written) from its changes
+/// alone; `None` when it takes a full plan: a set of it to be written
+/// whole, an interval set not written by this process, a changed chain
+/// that looks up a set the table does not hold or a dispatch map.
+pub(super) fn cheap(
+    family: Family,
+    table: &str,
+    t: &ChainTable,
+    sets: &DesiredSets,
+    obs: &ObservedTable,
+) -> Option<Cheap> {
+    let mut out = Cheap::default();
+    members(family, table, obs, sets, &mut out)?;
+    for name in &t.touched {
+        let Some(c) = t.chains.get(name) else {
+            continue;
+        };
+        let Some(o) = obs.chains.get(name) else {
+            continue; // not reached from a hook: not programmed
+        };
+        if o.comments == c.comments {
+            continue;
+        }
+        // A dispatch map is made with the full plan.
+        if c.translated.iter().any(|t| t.dispatch.is_some()) {
+            return None;
+        }
+        for tr in &c.translated {
+            if tr.sets.iter().any(|s| !obs.sets.contains_key(s)) {
+                return None;
+            }
+            for p in &tr.port_sets {
+                let added = out
+                    .patches
+                    .iter()
+                    .any(|x| matches!(x, Patch::Set(info) if info.name == p.name));
+                if obs.sets.contains_key(&p.name) || added {
+                    continue;
+                }
+                out.sets.push(Op::AddSet {
+                    family,
+                    table: table.to_string(),
+                    set: p.name.clone(),
+                    key: KeyType::Port,
+                    interval: true,
+                });
+                out.sets.push(Op::AddIntervals {
+                    family,
+                    table: table.to_string(),
+                    set: p.name.clone(),
+                    elements: p.elements(),
+                });
+                out.patches
+                    .push(Patch::Set(set_info(&p.name, KeyType::Port, true)));
+            }
+        }
+        out.flushes.push(Op::FlushChain {
+            family,
+            table: table.to_string(),
+            chain: name.clone(),
+        });
+        for (tr, comment) in c.translated.iter().zip(c.comments.iter()) {
+            out.rules.push(Op::AddRule {
+                family,
+                table: table.to_string(),
+                chain: name.clone(),
+                exprs: tr.exprs.clone(),
+                comment: comment.clone(),
+            });
+        }
+        out.patches.push(Patch::Chain(
+            name.clone(),
+            ObservedChain {
+                hook: o.hook,
+                comments: c.comments.clone(),
+            },
+        ));
+    }
+    Some(out)
+}
+
+/// The element ops that bring the sets table `table` holds (`obs`) to
+/// their members, by the uncommitted deltas; `None` when one is to be
+/// written whole.
+fn members(
+    family: Family,
+    table: &str,
+    obs: &ObservedTable,
+    sets: &DesiredSets,
+    out: &mut Cheap,
+) -> Option<()> {
+    for s in obs.sets.keys() {
+        let Some(d) = sets.sets.get(s) else {
+            continue; // a port list, a dispatch map
+        };
+        let (_, interval) = kind(d.meta.set_type, sets.version_of());
+        match sets.changes.get(s) {
+            Some(Change::Whole) => return None,
+            Some(Change::Delta { add, del }) => {
+                if interval {
+                    let key = (table.to_string(), s.clone());
+                    let have = sets.written_ranges.get(&key)?;
+                    let want = ranges(&d.members);
+                    let (gone, came) = intervals::diff(have, &want);
+                    push_ranges(&mut out.sets, family, table, s, gone, came);
+                    out.ranges.push((key, want));
+                } else {
+                    let del: Vec<Key> = del.iter().filter_map(key_of).collect();
+                    let add: Vec<Key> = add.iter().filter_map(key_of).collect();
+                    push_elements(&mut out.sets, family, table, s, del, add);
+                }
+            }
+            None if interval => {
+                let key = (table.to_string(), s.clone());
+                sets.written_ranges.get(&key)?;
+            }
+            None => {}
+        }
+    }
+    Some(())
+}

@@ -1,0 +1,426 @@
+//! From what the managers want and what the kernel holds to one commit:
+//! pure (desired and observed in, [`Op`]s and the state they leave out),
+//! so every case is tested without a kernel.
+//!
+//! One nf_tables table per iptables table (`<prefix>-raw`, `-mangle`,
+//! `-nat`, `-filter`), each holding the chains its hooks reach, a base
+//! chain per built-in chain with our hooks, the IP sets its rules look up
+//! and the port lists they use. Per table: a chain whose rules' comments
+//! differ from ours is flushed and written whole; a chain nothing reaches
+//! any more is flushed and removed; a set changes by its members' delta
+//! (or, after a read, by the difference from what the kernel holds); a
+//! table with nothing wanted in it is removed. The ops are ordered so
+//! that the batch is valid at every step: flushes, sets and their
+//! elements, chains, rules, then removals.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use super::chains::{ChainTable, DesiredChain, base_chain};
+use super::intervals::{self, Range};
+use super::ops::{Family, Key, KeyType, Op, SetInfo};
+use super::sets::{Change, DesiredSets, key, key as key_of, kind, ranges};
+use super::translate::{Dispatch, PortSet};
+use crate::backends::desired::RuleTable;
+
+const NFT_SET_INTERVAL: u32 = 0x4;
+const NFT_SET_MAP: u32 = 0x8;
+
+/// A chain as read back or as last written.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ObservedChain {
+    /// Hook number and priority of a base chain.
+    pub hook: Option<(u32, i32)>,
+    /// Each rule's comment, in order.
+    pub comments: std::sync::Arc<[String]>,
+}
+
+/// One of our tables as read back or as last written.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ObservedTable {
+    pub chains: BTreeMap<String, ObservedChain>,
+    pub sets: BTreeMap<String, SetInfo>,
+}
+
+/// Our tables of one family, by name.
+pub type Observed = BTreeMap<String, ObservedTable>;
+
+/// What a set holds in the kernel, as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    Keys(HashSet<Key>),
+    Ranges(Vec<Range>),
+    /// A port list's interval elements.
+    Intervals(Vec<(Key, bool)>),
+}
+
+/// The sets' contents as read, by (table, set).
+pub type Contents = HashMap<(String, String), Content>;
+
+/// A port list's element: a key, and whether it ends an interval.
+type IntervalKey = (Key, bool);
+
+/// Why no commit can be planned. Retrying helps once the managers' state
+/// or the kernel's changes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A rule looks up a set the managers have not defined (yet).
+    #[error("table {table}: a rule looks up set {set}, which is not defined")]
+    MissingSet { table: String, set: String },
+    /// A set was re-added before the kernel's copy was read: read first.
+    #[error("table {table}: set {set} must be read back before it is rewritten")]
+    NeedRead { table: String, set: String },
+}
+
+/// One change a cheap plan makes to what a table holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Patch {
+    /// A chain rewritten: its name and what it holds now.
+    Chain(String, ObservedChain),
+    /// A port list added.
+    Set(SetInfo),
+}
+
+/// What one table holds after a commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableAfter {
+    /// Planned whole: all it holds.
+    Whole(ObservedTable),
+    /// Planned from its changes: what changed (nothing, for a table whose
+    /// sets' members alone changed).
+    Patched(Vec<Patch>),
+    Removed,
+}
+
+/// A planned commit and what the kernel holds after it.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub ops: Vec<Op>,
+    /// Each of our tables the commit touches (not one it leaves as is).
+    pub tables: BTreeMap<String, TableAfter>,
+    /// Interval sets' ranges after it, by (table, set), where they were
+    /// written or (a table planned whole) all of its.
+    pub ranges: HashMap<(String, String), Vec<Range>>,
+}
+
+impl Plan {
+    /// Whether any table was planned whole (every chain looked at).
+    pub fn any_whole(&self) -> bool {
+        self.whole_tables().next().is_some()
+    }
+
+    /// The tables planned whole.
+    pub fn whole_tables(&self) -> impl Iterator<Item = &str> {
+        self.tables
+            .iter()
+            .filter(|(_, t)| matches!(t, TableAfter::Whole(_)))
+            .map(|(n, _)| n.as_str())
+    }
+
+    /// `observed` and `written` (interval sets' ranges) as the commit
+    /// leaves them; the names of the tables whose contents changed.
+    pub fn apply_to(
+        self,
+        observed: &mut Observed,
+        written: &mut HashMap<(String, String), Vec<Range>>,
+    ) -> Vec<String> {
+        let mut changed = Vec::new();
+        for (name, after) in self.tables {
+            match after {
+                TableAfter::Whole(t) => {
+                    written.retain(|(table, _), _| *table != name);
+                    observed.insert(name.clone(), t);
+                }
+                TableAfter::Patched(patches) if patches.is_empty() => continue,
+                TableAfter::Patched(patches) => {
+                    let t = observed.entry(name.clone()).or_default();
+                    for p in patches {
+                        match p {
+                            Patch::Chain(chain, c) => {
+                                t.chains.insert(chain, c);
+                            }
+                            Patch::Set(info) => {
+                                t.sets.insert(info.name.clone(), info);
+                            }
+                        }
+                    }
+                }
+                TableAfter::Removed => {
+                    written.retain(|(table, _), _| *table != name);
+                    observed.remove(&name);
+                }
+            }
+            changed.push(name);
+        }
+        written.extend(self.ranges);
+        changed
+    }
+}
+
+/// The table name of iptables table `table`.
+pub fn table_name(chain_prefix: &str, table: &str) -> String {
+    format!("{chain_prefix}{table}")
+}
+
+fn set_info(name: &str, key: KeyType, interval: bool) -> SetInfo {
+    let (key_type, key_len) = key.code();
+    SetInfo {
+        name: name.to_string(),
+        key_type,
+        key_len,
+        flags: if interval { NFT_SET_INTERVAL } else { 0 },
+    }
+}
+
+fn same_kind(a: &SetInfo, b: &SetInfo) -> bool {
+    let f = NFT_SET_INTERVAL | NFT_SET_MAP;
+    a.key_type == b.key_type && a.key_len == b.key_len && a.flags & f == b.flags & f
+}
+
+/// The ops that take interval set `set` of `table` from ranges `gone` to
+/// ranges `came` (removals first).
+fn push_ranges(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    set: &str,
+    gone: Vec<Range>,
+    came: Vec<Range>,
+) {
+    if !gone.is_empty() {
+        out.push(Op::DestroyRanges {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            ranges: gone,
+        });
+    }
+    if !came.is_empty() {
+        out.push(Op::AddRanges {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            ranges: came,
+        });
+    }
+}
+
+/// The ops that remove `del` from and add `add` to hash set `set` of
+/// `table`.
+fn push_elements(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    set: &str,
+    del: Vec<Key>,
+    add: Vec<Key>,
+) {
+    if !del.is_empty() {
+        out.push(Op::DestroyElements {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            elements: del,
+        });
+    }
+    if !add.is_empty() {
+        out.push(Op::AddElements {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            elements: add,
+        });
+    }
+}
+
+/// The ops of one table, grouped by when they run in the batch.
+#[derive(Default)]
+struct Stages {
+    tables: Vec<Op>,
+    flushes: Vec<Op>,
+    set_removals: Vec<Op>,
+    sets: Vec<Op>,
+    chains: Vec<Op>,
+    /// Dispatch maps' entries: after the chains they go to.
+    map_elements: Vec<Op>,
+    rules: Vec<Op>,
+    chain_removals: Vec<Op>,
+    stale_sets: Vec<Op>,
+    table_removals: Vec<Op>,
+}
+
+/// How one table is planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// From its changes alone ([`changes::cheap`]).
+    Cheap,
+    /// Every chain its hooks reach ([`table::TableCtx`]).
+    Whole,
+}
+
+/// Plans one commit for all of `tables` (one IP version, `family`).
+/// `contents` is what a read found in the sets (then every table is
+/// planned whole and its sets diffed against it). Otherwise a table is
+/// planned from its changes alone when nothing in it was reshaped (no
+/// chain added, removed or re-pointed, no hook changed) and it holds the
+/// sets it must: at 50,000 rules a whole plan walks every chain, and most
+/// tables, most of the time, change by a few rules or members or not at
+/// all.
+pub fn plan(
+    family: Family,
+    chain_prefix: &str,
+    tables: &[&ChainTable],
+    sets: &DesiredSets,
+    observed: &Observed,
+    contents: Option<&Contents>,
+) -> Result<Plan, PlanError> {
+    let mut st = Stages::default();
+    let mut out = Plan::default();
+    let names: Vec<String> = tables
+        .iter()
+        .map(|t| table_name(chain_prefix, t.table()))
+        .collect();
+    let wanted_tables: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+    let whole_only = contents.is_some() || sets.removed_any;
+    // The cheap plans of the tables that need no whole plan (those that
+    // hold every set are decided below, once it is known which sets the
+    // others use).
+    let mut cheap: Vec<Option<changes::Cheap>> = tables
+        .iter()
+        .zip(&names)
+        .map(|(t, n)| {
+            let obs = observed.get(n)?;
+            if whole_only || t.reshaped || t.all_sets {
+                return None;
+            }
+            changes::cheap(family, n, t, sets, obs)
+        })
+        .collect();
+    let mut reaches: Vec<Option<HashSet<&str>>> = tables
+        .iter()
+        .zip(&cheap)
+        .map(|(t, c)| (c.is_none() && !t.all_sets).then(|| t.reachable()))
+        .collect();
+    // The sets the other tables' rules look up (a cheaply planned one's:
+    // those it holds), for a table that holds the rest.
+    let mut used: HashSet<&str> = HashSet::new();
+    if tables.iter().any(|t| t.spare_sets_only) {
+        for (i, t) in tables.iter().enumerate() {
+            if t.all_sets {
+                continue;
+            }
+            let Some(reach) = &reaches[i] else {
+                let held = observed
+                    .get(&names[i])
+                    .into_iter()
+                    .flat_map(|o| o.sets.keys());
+                used.extend(
+                    held.filter_map(|s| sets.sets.get_key_value(s).map(|(k, _)| k.as_str())),
+                );
+                continue;
+            };
+            let chains = reach
+                .iter()
+                .filter_map(|c| t.chains.get(*c))
+                .chain(t.hooks.values());
+            for c in chains {
+                for tr in &c.translated {
+                    used.extend(tr.sets.iter().map(String::as_str));
+                }
+            }
+        }
+    }
+    // A table that holds every set (the rest, sharded) is planned from its
+    // changes when it holds each it must already; one it holds and need
+    // not any more stays until its next whole plan.
+    for (i, t) in tables.iter().enumerate() {
+        if !t.all_sets || whole_only || t.reshaped {
+            continue;
+        }
+        let Some(obs) = observed.get(&names[i]) else {
+            continue;
+        };
+        let holds_all = sets
+            .sets
+            .keys()
+            .all(|s| obs.sets.contains_key(s) || (t.spare_sets_only && used.contains(s.as_str())));
+        if holds_all {
+            cheap[i] = changes::cheap(family, &names[i], t, sets, obs);
+        }
+    }
+    for (i, (t, name)) in tables.iter().zip(&names).enumerate() {
+        let obs = observed.get(name);
+        let mode = if cheap[i].is_some() {
+            Mode::Cheap
+        } else {
+            Mode::Whole
+        };
+        if mode == Mode::Cheap {
+            let c = cheap[i].take().expect("cheap");
+            st.flushes.extend(c.flushes);
+            st.sets.extend(c.sets);
+            st.rules.extend(c.rules);
+            out.ranges.extend(c.ranges);
+            out.tables
+                .insert(name.clone(), TableAfter::Patched(c.patches));
+            continue;
+        }
+        let reach = reaches[i].take().unwrap_or_else(|| t.reachable());
+        let all_sets = t.all_sets
+            && if t.spare_sets_only {
+                sets.sets.keys().any(|s| !used.contains(s.as_str()))
+            } else {
+                !sets.sets.is_empty()
+            };
+        if reach.is_empty() && t.hooks.is_empty() && !all_sets {
+            if obs.is_some() {
+                st.table_removals.push(Op::DestroyTable {
+                    family,
+                    table: name.clone(),
+                });
+                out.tables.insert(name.clone(), TableAfter::Removed);
+            }
+            continue;
+        }
+        let ctx = table::TableCtx {
+            family,
+            name,
+            table: t,
+            sets,
+            obs,
+            contents,
+            used: &used,
+        };
+        let after = ctx.plan(&reach, &mut st, &mut out.ranges)?;
+        out.tables.insert(name.clone(), TableAfter::Whole(after));
+    }
+    // Tables of ours that no table object names (an older layout's).
+    for name in observed.keys() {
+        if !wanted_tables.contains(name.as_str()) {
+            st.table_removals.push(Op::DestroyTable {
+                family,
+                table: name.clone(),
+            });
+            out.tables.insert(name.clone(), TableAfter::Removed);
+        }
+    }
+    out.ops = [
+        st.tables,
+        st.flushes,
+        st.set_removals,
+        st.sets,
+        st.chains,
+        st.map_elements,
+        st.rules,
+        st.chain_removals,
+        st.stale_sets,
+        st.table_removals,
+    ]
+    .concat();
+    Ok(out)
+}
+
+mod changes;
+mod table;
+
+#[cfg(test)]
+mod tests;

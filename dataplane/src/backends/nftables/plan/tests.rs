@@ -1,0 +1,416 @@
+/// A plan and what it leaves.
+struct Planned {
+    ops: Vec<Op>,
+    /// How each table it touches was planned.
+    tables: BTreeMap<String, TableAfter>,
+    /// What the kernel holds after it.
+    after: Observed,
+}
+
+/// [`plan`] of IPv4 tables `tables` with our prefix.
+fn plan_v4(
+    tables: &[ChainTable],
+    sets: &DesiredSets,
+    observed: &Observed,
+    contents: Option<&Contents>,
+) -> Result<Planned, PlanError> {
+    let p = plan(Family::Ip, "dph-", &refs(tables), sets, observed, contents)?;
+    let Plan {
+        ops,
+        tables,
+        ranges,
+    } = p;
+    let mut after = observed.clone();
+    let mut written = sets.written_ranges.clone();
+    Plan {
+        ops: Vec::new(),
+        tables: tables.clone(),
+        ranges,
+    }
+    .apply_to(&mut after, &mut written);
+    Ok(Planned { ops, tables, after })
+}
+
+/// Whether table `t` was planned from its changes alone.
+fn cheap(p: &Planned, t: &str) -> bool {
+    matches!(p.tables.get(t), Some(TableAfter::Patched(_)) | None)
+}
+
+/// The tables as the plans take them.
+fn refs(tables: &[ChainTable]) -> Vec<&ChainTable> {
+    tables.iter().collect()
+}
+
+use super::*;
+use crate::backends::desired::SetStore;
+use crate::backends::ipsets::Meta;
+use crate::backends::iptables::{Ownership, Rule};
+use crate::model::IpVersion;
+use crate::model::ipsets::{IpSetType, Member, SetNames};
+use std::collections::BTreeMap;
+
+fn r(s: &str) -> Rule {
+    Rule::parse(s).unwrap()
+}
+
+fn ip(s: &str) -> Member {
+    Member::Ip(s.parse().unwrap())
+}
+
+fn state() -> (Vec<ChainTable>, DesiredSets) {
+    let mut t = ChainTable::new("filter", IpVersion::V4, Ownership::new("dph"));
+    t.set_chain("dph-a", vec![r("-m set --match-set dph40s src -j DROP")])
+        .unwrap();
+    t.set_hooks("FORWARD", vec![r("-j dph-a")]).unwrap();
+    let mut s = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
+    s.replace(
+        "dph40s".into(),
+        Meta {
+            set_type: IpSetType::Ip,
+            maxelem: 10,
+        },
+        [ip("10.0.0.1")].into(),
+    );
+    (vec![t], s)
+}
+
+fn names(ops: &[Op]) -> Vec<String> {
+    ops.iter().map(super::super::ops::describe).collect()
+}
+
+/// What the dataplane does after a commit.
+fn committed(tables: &mut [ChainTable], sets: &mut DesiredSets) {
+    sets.changes.clear();
+    sets.removed_any = false;
+    for t in tables {
+        t.changed = false;
+        t.reshaped = false;
+        t.touched.clear();
+    }
+}
+
+/// A full plan takes a table none of whose chains changed as it was
+/// written, with its sets' new members only.
+#[test]
+fn a_quiet_table_gets_its_members_alone() {
+    let (mut tables, mut sets) = state();
+    let mut raw = ChainTable::new("raw", IpVersion::V4, Ownership::new("dph"));
+    raw.set_chain("dph-b", vec![r("-m set --match-set dph40s src -j DROP")])
+        .unwrap();
+    raw.set_hooks("PREROUTING", vec![r("-j dph-b")]).unwrap();
+    tables.push(raw);
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    sets.delta(
+        "dph40s",
+        &mut [ip("10.0.0.2")].into_iter(),
+        &mut std::iter::empty(),
+    );
+    // filter changes (a new chain: a whole plan); raw does not.
+    tables[0].set_chain("dph-c", vec![r("-j DROP")]).unwrap();
+    tables[0]
+        .set_hooks("FORWARD", vec![r("-j dph-a"), r("-j dph-c")])
+        .unwrap();
+    assert!(tables[0].reshaped && !tables[1].changed);
+    let again = plan_v4(&tables, &sets, &p.after, None).unwrap();
+    let raw_ops: Vec<String> = names(&again.ops)
+        .into_iter()
+        .filter(|o| o.contains("dph-raw"))
+        .collect();
+    assert_eq!(raw_ops, ["adding 1 elements to dph-raw/dph40s"]);
+    assert_eq!(again.after["dph-raw"], p.after["dph-raw"]);
+    assert!(cheap(&again, "dph-raw") && !cheap(&again, "dph-filter"));
+    assert!(
+        names(&again.ops).contains(&"adding 1 elements to dph-filter/dph40s".to_string()),
+        "{:?}",
+        names(&again.ops)
+    );
+}
+
+#[test]
+fn a_first_plan_makes_everything_in_an_order_the_kernel_takes() {
+    let (mut tables, mut sets) = state();
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    assert_eq!(
+        names(&p.ops),
+        [
+            "adding table dph-filter",
+            "adding set dph-filter/dph40s",
+            "adding 1 elements to dph-filter/dph40s",
+            "adding chain dph-filter/dph-a",
+            "adding chain dph-filter/FORWARD",
+            "adding rule \"dph:DIw5m7AUdhJbj4tR\" to dph-filter/dph-a",
+            "adding rule \"dph:zF1jByNAP998x14n\" to dph-filter/FORWARD",
+        ]
+        .map(String::from)
+        .to_vec(),
+        "{:#?}",
+        names(&p.ops)
+    );
+    // Planned again against what it leaves: nothing to do.
+    let again = plan_v4(&tables, &sets, &p.after, None).unwrap();
+    assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+}
+
+/// A dispatch chain is a verdict map made with its entries after the
+/// chains they go to; a new one replaces it (the old map goes before
+/// any chain it held is removed); one changed by hand is made again.
+#[test]
+fn dispatch_maps_are_made_replaced_and_repaired_in_order() {
+    let mut t = ChainTable::new("filter-0", IpVersion::V4, Ownership::new("dph")).with_maps();
+    for c in ["dph-fw-cali1", "dph-fw-cali2"] {
+        t.set_chain(c, vec![r("-j ACCEPT")]).unwrap();
+    }
+    let dispatch = |ifaces: &[&str]| {
+        let mut rules: Vec<Rule> = ifaces
+            .iter()
+            .map(|i| r(&format!("-i {i} -g dph-fw-{i}")))
+            .collect();
+        rules.push(r("-j DROP"));
+        rules
+    };
+    t.set_chain("dph-from-wl-dispatch", dispatch(&["cali1", "cali2"]))
+        .unwrap();
+    t.set_hooks("FORWARD", vec![r("-j dph-from-wl-dispatch")])
+        .unwrap();
+    let mut tables = vec![t];
+    let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    let ops = names(&p.ops);
+    let pos = |what: &str| {
+        ops.iter()
+            .position(|o| o.starts_with(what))
+            .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
+    };
+    let map = pos("adding map dph-filter-0/dispatch-in-");
+    let entries = pos("adding 2 entries to dph-filter-0/dispatch-in-");
+    assert!(map < pos("adding chain dph-filter-0/dph-fw-cali2"));
+    assert!(pos("adding chain dph-filter-0/dph-fw-cali2") < entries);
+    assert!(entries < pos("adding rule"));
+    committed(&mut tables, &mut sets);
+    let first = p.after.clone();
+
+    // cali2 goes: a new map, the old one removed before its chain.
+    tables[0]
+        .set_chain("dph-from-wl-dispatch", dispatch(&["cali1"]))
+        .unwrap();
+    tables[0].remove_chain("dph-fw-cali2");
+    let p = plan_v4(&tables, &sets, &first, None).unwrap();
+    let ops = names(&p.ops);
+    let pos = |what: &str| {
+        ops.iter()
+            .position(|o| o.starts_with(what))
+            .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
+    };
+    assert!(
+        pos("flushing chain dph-filter-0/dph-from-wl-dispatch")
+            < pos("removing set dph-filter-0/dispatch-in-")
+    );
+    assert!(
+        pos("removing set dph-filter-0/dispatch-in-")
+            < pos("removing chain dph-filter-0/dph-fw-cali2")
+    );
+    assert!(pos("adding 1 entries to dph-filter-0/dispatch-in-") < pos("adding rule"));
+    committed(&mut tables, &mut sets);
+    let second = p.after.clone();
+    let again = plan_v4(&tables, &sets, &second, None).unwrap();
+    assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+
+    // An entry taken out by hand: the map and its chain made again.
+    let map = second["dph-filter-0"]
+        .sets
+        .keys()
+        .find(|s| s.starts_with("dispatch-"))
+        .unwrap()
+        .clone();
+    let contents: Contents = [(
+        ("dph-filter-0".to_string(), map.clone()),
+        Content::Keys(HashSet::new()),
+    )]
+    .into();
+    let p = plan_v4(&tables, &sets, &second, Some(&contents)).unwrap();
+    let short: Vec<String> = names(&p.ops)
+        .into_iter()
+        .map(|o| {
+            if o.starts_with("adding rule") {
+                "adding rule".into()
+            } else {
+                o
+            }
+        })
+        .collect();
+    assert_eq!(
+        short,
+        [
+            "flushing chain dph-filter-0/dph-from-wl-dispatch".to_string(),
+            format!("removing set dph-filter-0/{map}"),
+            format!("adding map dph-filter-0/{map}"),
+            format!("adding 1 entries to dph-filter-0/{map}"),
+            "adding rule".to_string(),
+            "adding rule".to_string(),
+        ]
+    );
+    // As read with its entries: nothing to do.
+    let whole: Contents = [(
+        ("dph-filter-0".to_string(), map.clone()),
+        Content::Keys([Key::ifname("cali1")].into()),
+    )]
+    .into();
+    let p = plan_v4(&tables, &sets, &second, Some(&whole)).unwrap();
+    assert!(p.ops.is_empty(), "{:?}", names(&p.ops));
+}
+
+/// A base chain found at another priority (made again by hand) is
+/// removed and made anew with its rules; the rest stays.
+#[test]
+fn a_hook_at_the_wrong_priority_is_made_again() {
+    let (mut tables, mut sets) = state();
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    let mut read = p.after.clone();
+    let forward = read
+        .get_mut("dph-filter")
+        .and_then(|t| t.chains.get_mut("FORWARD"))
+        .unwrap();
+    let (hook, priority) = forward.hook.unwrap();
+    forward.hook = Some((hook, priority + 10));
+    forward.comments = Vec::new().into();
+    let contents: Contents = [(
+        ("dph-filter".to_string(), "dph40s".to_string()),
+        Content::Keys([Key::Addr("10.0.0.1".parse().unwrap())].into()),
+    )]
+    .into();
+    let again = plan_v4(&tables, &sets, &read, Some(&contents)).unwrap();
+    assert_eq!(
+        names(&again.ops),
+        [
+            "flushing chain dph-filter/FORWARD",
+            "removing chain dph-filter/FORWARD",
+            "adding chain dph-filter/FORWARD",
+            "adding rule \"dph:zF1jByNAP998x14n\" to dph-filter/FORWARD",
+        ]
+        .map(String::from)
+        .to_vec()
+    );
+    assert_eq!(again.after, p.after, "as first written");
+}
+
+#[test]
+fn changes_alone_are_planned_without_the_rest() {
+    let (mut tables, mut sets) = state();
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    assert!(
+        !cheap(&p, "dph-filter"),
+        "new sets and chains: a whole plan"
+    );
+    committed(&mut tables, &mut sets);
+    let observed = p.after;
+
+    // A member: one element, nothing else.
+    sets.delta(
+        "dph40s",
+        &mut [ip("10.0.0.2")].into_iter(),
+        &mut std::iter::empty(),
+    );
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert_eq!(names(&c.ops), ["adding 1 elements to dph-filter/dph40s"]);
+    assert!(cheap(&c, "dph-filter"));
+    committed(&mut tables, &mut sets);
+
+    // A chain's rules: that chain flushed and written, with the port
+    // list its new rule needs.
+    tables[0]
+        .set_chain(
+            "dph-a",
+            vec![r("-p tcp -m multiport --destination-ports 1,2 -j DROP")],
+        )
+        .unwrap();
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    let n = names(&c.ops);
+    assert_eq!(n[0], "flushing chain dph-filter/dph-a");
+    assert!(n[1].starts_with("adding set dph-filter/ports-"), "{n:?}");
+    assert!(n[3].starts_with("adding rule"), "{n:?}");
+    assert!(
+        matches!(&c.tables["dph-filter"], TableAfter::Patched(p) if p.len() == 2),
+        "{:?}",
+        c.tables
+    );
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // A dispatch chain given one more interface that goes where the
+    // others go reshapes nothing.
+    tables[0].set_chain("dph-p", vec![r("-j ACCEPT")]).unwrap();
+    tables[0]
+        .set_chain("dph-a", vec![r("-i a -g dph-p"), r("-j dph-p")])
+        .unwrap();
+    assert!(tables[0].reshaped, "a new jump");
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(!cheap(&c, "dph-filter"));
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+    tables[0]
+        .set_chain(
+            "dph-a",
+            vec![r("-i a -g dph-p"), r("-i b -g dph-p"), r("-j dph-p")],
+        )
+        .unwrap();
+    assert!(!tables[0].reshaped);
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter"));
+    assert_eq!(
+        names(&c.ops)
+            .iter()
+            .filter(|o| o.starts_with("adding rule"))
+            .count(),
+        3
+    );
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // A new set the table must hold: a whole plan.
+    sets.replace(
+        "dph40t".into(),
+        Meta {
+            set_type: IpSetType::Ip,
+            maxelem: 10,
+        },
+        [ip("10.0.0.9")].into(),
+    );
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(!cheap(&c, "dph-filter"));
+    assert!(
+        names(&c.ops).contains(&"adding set dph-filter/dph40t".to_string()),
+        "{:?}",
+        names(&c.ops)
+    );
+}
+
+#[test]
+fn what_nothing_reaches_goes_after_the_rules_that_used_it() {
+    let (mut tables, mut sets) = state();
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    tables[0]
+        .set_hooks("FORWARD", vec![r("-j ACCEPT")])
+        .unwrap();
+    let q = plan_v4(&tables, &sets, &p.after, None).unwrap();
+    let n = names(&q.ops);
+    let flush = n
+        .iter()
+        .position(|o| o == "flushing chain dph-filter/dph-a");
+    let gone = n
+        .iter()
+        .position(|o| o == "removing chain dph-filter/dph-a");
+    assert!(flush.is_some() && gone.is_some() && flush < gone, "{n:?}");
+    assert!(
+        !n.iter().any(|o| o.contains("removing set")),
+        "every set stays in the filter table: {n:?}"
+    );
+    // A set no longer desired and used by nothing goes.
+    sets.remove("dph40s");
+    let after = q.after;
+    let z = plan_v4(&tables, &sets, &after, None).unwrap();
+    assert_eq!(names(&z.ops), ["removing set dph-filter/dph40s"]);
+}
