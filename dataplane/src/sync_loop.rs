@@ -204,11 +204,16 @@ pub struct LoopConfig {
     /// Under sustained changes, applies start at most once per period.
     pub throttle_period: Duration,
     /// Under sustained changes, the share of the time spent applying at
-    /// most: after an apply that took `d`, the next one waits
-    /// `d * (1 - duty) / duty`, at most `duty_gap_max` (so one long apply,
-    /// a cold start, does not hold the next change back for long). 1.0:
-    /// no wait.
+    /// most (1.0: no bound). The loop keeps a budget of apply time that
+    /// fills at `apply_duty` seconds a second up to `duty_burst`; an apply
+    /// spends what it took, and none starts while the budget is spent. So
+    /// a change after a quiet spell is applied at once, however dear the
+    /// last apply was, and under sustained changes the applies batch
+    /// what comes in meanwhile. The budget never runs further behind than
+    /// `duty_gap_max` of waiting (one long apply, a cold start, does not
+    /// hold the next change back for long).
     pub apply_duty: f64,
+    pub duty_burst: Duration,
     pub duty_gap_max: Duration,
     pub drain_max: usize,
     /// The longest wait before a failed apply is retried (Felix's retry
@@ -242,6 +247,7 @@ impl Default for LoopConfig {
             throttle_burst: 10,
             throttle_period: Duration::from_millis(10),
             apply_duty: 0.5,
+            duty_burst: Duration::from_secs(1),
             duty_gap_max: Duration::from_millis(50),
             drain_max: 100,
             retry_interval: Duration::from_secs(10),
@@ -326,14 +332,45 @@ struct SessionState {
     rejections: mpsc::UnboundedSender<Rejection>,
 }
 
-/// How long to wait after an apply that took `took` for the applies to
-/// take at most `duty` of the time; `None` for no wait.
-fn duty_gap(took: Duration, duty: f64, max: Duration) -> Option<Duration> {
-    if !(duty > 0.0 && duty < 1.0) {
-        return None;
+/// The apply-time budget of [`LoopConfig::apply_duty`].
+#[derive(Debug)]
+struct DutyBudget {
+    /// Seconds of apply time left (negative: owed).
+    left: f64,
+    at: Instant,
+}
+
+impl DutyBudget {
+    fn new(cfg: &LoopConfig) -> Self {
+        Self {
+            left: cfg.duty_burst.as_secs_f64(),
+            at: Instant::now(),
+        }
     }
-    let gap = took.mul_f64((1.0 - duty) / duty).min(max);
-    (!gap.is_zero()).then_some(gap)
+
+    fn bounded(cfg: &LoopConfig) -> bool {
+        cfg.apply_duty > 0.0 && cfg.apply_duty < 1.0
+    }
+
+    /// How long until an apply may start (`None`: now).
+    fn wait(&mut self, cfg: &LoopConfig, now: Instant) -> Option<Duration> {
+        if !Self::bounded(cfg) {
+            return None;
+        }
+        let filled = cfg.apply_duty * (now - self.at).as_secs_f64();
+        self.left = (self.left + filled).min(cfg.duty_burst.as_secs_f64());
+        self.at = now;
+        (self.left < 0.0).then(|| Duration::from_secs_f64(-self.left / cfg.apply_duty))
+    }
+
+    /// An apply took `took`.
+    fn spend(&mut self, cfg: &LoopConfig, took: Duration) {
+        if !Self::bounded(cfg) {
+            return;
+        }
+        let floor = -cfg.duty_gap_max.as_secs_f64() * cfg.apply_duty;
+        self.left = (self.left - took.as_secs_f64()).max(floor);
+    }
 }
 
 /// The loop itself.
@@ -354,8 +391,8 @@ pub struct SyncLoop {
     failures: u32,
     reschedule_at: Option<Instant>,
     refill_at: Option<Instant>,
-    /// No apply before (the duty bound), unless a retry is due.
-    apply_not_before: Option<Instant>,
+    /// The apply time left to spend (the duty bound).
+    budget: DutyBudget,
     apply_times: ApplyTimes,
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     /// The message counters by kind, looked up once each.
@@ -378,6 +415,7 @@ impl SyncLoop {
         let quota = Quota::with_period(cfg.throttle_period.max(Duration::from_micros(1)))
             .expect("non-zero period")
             .allow_burst(burst);
+        let budget = DutyBudget::new(&cfg);
         Self {
             cfg,
             managers,
@@ -394,7 +432,7 @@ impl SyncLoop {
             failures: 0,
             reschedule_at: None,
             refill_at: None,
-            apply_not_before: None,
+            budget,
             apply_times: ApplyTimes::default(),
             metrics: None,
             msg_counters: HashMap::new(),
@@ -735,10 +773,9 @@ impl SyncLoop {
         if self.retry_at.is_some() {
             return; // a failed apply waits for the retry tick
         }
-        if let Some(at) = self.apply_not_before
-            && Instant::now() < at
-        {
-            self.refill_at = Some(at);
+        let now = Instant::now();
+        if let Some(wait) = self.budget.wait(&self.cfg, now) {
+            self.refill_at = Some(now + wait);
             return;
         }
         if let Err(not_until) = self.throttle.check() {
@@ -878,8 +915,7 @@ impl SyncLoop {
         self.status.last_error = None;
         self.failures = 0;
         let took = started.elapsed();
-        self.apply_not_before = duty_gap(took, self.cfg.apply_duty, self.cfg.duty_gap_max)
-            .map(|gap| Instant::now() + gap);
+        self.budget.spend(&self.cfg, took);
         self.apply_times.record(took);
         if let Some(m) = &self.metrics {
             m.apply_time.observe(started.elapsed().as_secs_f64());

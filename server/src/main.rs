@@ -160,7 +160,7 @@ struct ServeArgs {
     /// workload's chains, with copies of the policy chains and IP sets
     /// they use, in one), so that a rule change makes the kernel check one
     /// small table rather than all of filter. 0 or 1: all in filter.
-    #[arg(long, env = "DPH_NFTABLES_SHARDS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=32))]
+    #[arg(long, env = "DPH_NFTABLES_SHARDS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=32))]
     nftables_shards: u32,
     /// iptables flavour: auto (detect which one the host uses), nft or legacy.
     #[arg(long, env = "DPH_IPTABLES_BACKEND", default_value = "auto")]

@@ -206,6 +206,7 @@ async fn a_burst_is_throttled_to_the_burst_and_one_apply_per_period() {
 async fn dear_applies_take_at_most_their_duty_of_the_time() {
     let cfg = LoopConfig {
         apply_duty: 0.5,
+        duty_burst: Duration::from_millis(40),
         throttle_period: Duration::from_millis(1),
         ..fast_config()
     };
@@ -236,6 +237,34 @@ async fn dear_applies_take_at_most_their_duty_of_the_time() {
     );
     assert!(calls >= 8, "applies still run: {calls}");
     wait_for(&mut h, |s| s.last_programmed == seq && !s.dirty).await;
+}
+
+/// A change after a quiet spell is applied at once, however dear the
+/// apply before it was (the budget had filled up meanwhile).
+#[tokio::test]
+async fn a_change_after_a_dear_apply_is_not_held_back() {
+    let cfg = LoopConfig {
+        apply_duty: 0.1,
+        duty_gap_max: Duration::from_millis(400),
+        ..fast_config()
+    };
+    let mut h = start(cfg).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 0, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    let takes = Duration::from_millis(30);
+    h.backend.lock().apply_takes = takes;
+    send(&h, 1, 1, set("a")).await;
+    wait_for(&mut h, |s| s.last_programmed == 1).await;
+    let sent = std::time::Instant::now();
+    send(&h, 1, 2, set("b")).await;
+    wait_for(&mut h, |s| s.last_programmed == 2).await;
+    // Waiting out a tenth-duty gap after the first would be 270 ms.
+    assert!(
+        sent.elapsed() < Duration::from_millis(200),
+        "the second change took {:?}",
+        sent.elapsed()
+    );
 }
 
 /// Cheap applies are not held back: a change under sustained churn is

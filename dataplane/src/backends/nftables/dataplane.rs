@@ -21,7 +21,9 @@ use tracing::{debug, info, instrument, warn};
 use super::chains::ChainTable;
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{Family, Op};
-use super::plan::{Content, Contents, Observed, ObservedChain, ObservedTable, PlanError, plan};
+use super::plan::{
+    Content, Contents, Observed, ObservedChain, ObservedTable, PlanError, TableAfter, plan,
+};
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
 use crate::backends::desired::{RuleTable, SetStore};
@@ -198,6 +200,9 @@ pub struct Dataplane {
     /// kept up to date by each commit (status and metrics run after every
     /// apply; counting 320,000 rules each time cost milliseconds).
     counts: std::collections::BTreeMap<String, (usize, usize, usize)>,
+    /// How many of our IP sets some table holds (the metric), counted when
+    /// a table is written whole or read.
+    held_sets: usize,
 }
 
 /// (chains, rules, sets) of each table.
@@ -209,6 +214,17 @@ fn count(observed: &Observed) -> std::collections::BTreeMap<String, (usize, usiz
             (name.clone(), (t.chains.len(), rules, t.sets.len()))
         })
         .collect()
+}
+
+/// How many of our IP sets some table of `observed` holds (port lists
+/// and the shards' copies aside).
+fn held(observed: &Observed, sets: &DesiredSets) -> usize {
+    observed
+        .values()
+        .flat_map(|t| t.sets.keys())
+        .filter(|s| sets.sets.contains_key(*s))
+        .collect::<std::collections::HashSet<_>>()
+        .len()
 }
 
 impl Dataplane {
@@ -245,6 +261,7 @@ impl Dataplane {
             exported_validating: std::sync::atomic::AtomicU64::new(0),
             commit_times: std::sync::Mutex::new(Vec::new()),
             counts: Default::default(),
+            held_sets: 0,
         }
     }
 
@@ -318,6 +335,7 @@ impl Dataplane {
                 debug!(tables = observed.len(), "refresh read adopted");
                 self.overtaken = 0;
                 self.counts = count(&observed);
+                self.held_sets = held(&observed, &self.sets);
                 self.observed = Some(observed);
                 self.contents = Some(contents);
             }
@@ -388,6 +406,7 @@ impl Dataplane {
             .map_err(|e| self.err(e))?;
         debug!(tables = observed.len(), elapsed = ?started.elapsed(), "read our nftables tables");
         self.counts = count(&observed);
+        self.held_sets = held(&observed, &self.sets);
         self.observed = Some(observed);
         self.contents = Some(contents);
         Ok(())
@@ -502,6 +521,12 @@ impl Backend for Dataplane {
             info!(ops = n, elapsed = ?started.elapsed(), after_read = adopted, whole, commits = self.commits, "nftables committed");
         }
         let observed = self.observed.as_mut().expect("planned from it");
+        // A patch adds a port list at most: the sets held change only with
+        // a table written whole or removed.
+        let recount = p
+            .tables
+            .values()
+            .any(|t| !matches!(t, TableAfter::Patched(_)));
         for name in p.apply_to(observed, &mut self.sets.written_ranges) {
             match observed.get(&name) {
                 Some(t) => {
@@ -513,6 +538,9 @@ impl Backend for Dataplane {
                     self.counts.remove(&name);
                 }
             }
+        }
+        if recount {
+            self.held_sets = held(observed, &self.sets);
         }
         self.contents = None;
         self.sets.changes.clear();
@@ -558,17 +586,7 @@ impl Backend for Dataplane {
             m.nftables_chains.get_or_create(&label).set(chains as i64);
             m.nftables_rules.get_or_create(&label).set(rules as i64);
         }
-        // IP sets: those of ours some table holds (port lists and the
-        // shards' copies aside).
-        let held: std::collections::HashSet<&str> = self
-            .observed
-            .iter()
-            .flat_map(|o| o.values())
-            .flat_map(|t| t.sets.keys())
-            .filter(|s| self.sets.sets.contains_key(*s))
-            .map(String::as_str)
-            .collect();
-        m.ipsets.get_or_create(&v).set(held.len() as i64);
+        m.ipsets.get_or_create(&v).set(self.held_sets as i64);
     }
 
     fn status(&self) -> Vec<(String, String)> {

@@ -107,14 +107,21 @@ fn members(
     sets: &DesiredSets,
     out: &mut Cheap,
 ) -> Option<()> {
-    for s in obs.sets.keys() {
+    // The changed sets (few), not the table's (hundreds), in order.
+    let mut changed: Vec<(&String, &Change)> = sets
+        .changes
+        .iter()
+        .filter(|(s, _)| obs.sets.contains_key(*s))
+        .collect();
+    changed.sort_unstable_by_key(|(s, _)| *s);
+    for (s, change) in changed {
         let Some(d) = sets.sets.get(s) else {
-            continue; // a port list, a dispatch map
+            continue;
         };
         let (_, interval) = kind(d.meta.set_type, sets.version_of());
-        match sets.changes.get(s) {
-            Some(Change::Whole) => return None,
-            Some(Change::Delta { add, del }) => {
+        match change {
+            Change::Whole => return None,
+            Change::Delta { add, del } => {
                 if interval {
                     let key = (table.to_string(), s.clone());
                     let have = sets.written_ranges.get(&key)?;
@@ -128,11 +135,6 @@ fn members(
                     push_elements(&mut out.sets, family, table, s, del, add);
                 }
             }
-            None if interval => {
-                let key = (table.to_string(), s.clone());
-                sets.written_ranges.get(&key)?;
-            }
-            None => {}
         }
     }
     Some(())
