@@ -245,7 +245,7 @@ impl Default for LoopConfig {
             // (bounded CPU, batching when applies are dear) the duty
             // bound below gives without that floor.
             throttle_burst: 10,
-            throttle_period: Duration::from_millis(10),
+            throttle_period: Duration::from_millis(20),
             apply_duty: 0.5,
             duty_burst: Duration::from_secs(1),
             duty_gap_max: Duration::from_millis(50),

@@ -140,7 +140,7 @@ struct ServeArgs {
     retry_seconds: f64,
     /// Under sustained changes, applies start at most once per this many
     /// seconds (after a burst of 10).
-    #[arg(long, env = "DPH_APPLY_INTERVAL_SECONDS", default_value_t = 0.01)]
+    #[arg(long, env = "DPH_APPLY_INTERVAL_SECONDS", default_value_t = 0.02)]
     apply_interval_seconds: f64,
     /// Under sustained changes, the share of the time spent applying at
     /// most (0 < duty <= 1; 1: applies run back to back): a dear apply is
