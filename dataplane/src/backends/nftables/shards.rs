@@ -526,19 +526,20 @@ impl RuleTable for Filter {
             }
             return Ok(());
         }
-        let rules = if l.is_dispatch(name) {
+        if l.is_dispatch(name) {
             // The managers set every dispatch chain on each endpoint
             // change; one as they last set it is left alone (not
-            // rewritten rule by rule first to be found equal).
+            // rewritten rule by rule first to be found equal). Kept only
+            // once filter took it.
             if l.dispatch.get(name) == Some(&rules) {
                 return Ok(());
             }
-            l.dispatch.insert(name.to_string(), rules.clone());
-            rules.into_iter().map(|r| l.redirect(r)).collect()
+            let redirected = rules.iter().map(|r| l.redirect(r.clone())).collect();
+            self.main.set_chain(name, redirected)?;
+            l.dispatch.insert(name.to_string(), rules);
         } else {
-            rules
-        };
-        self.main.set_chain(name, rules)?;
+            self.main.set_chain(name, rules)?;
+        }
         if l.refs.iter().any(|r| r.contains_key(name)) {
             l.recopy.insert(name.to_string());
         }
@@ -750,6 +751,26 @@ mod tests {
         );
         assert!(s.hooks.is_empty());
         assert!(!f.placement().contains_key(here[0]));
+    }
+
+    /// A dispatch chain filter refused is refused again when set again
+    /// (not skipped as "as last set"), and one it took is then left alone.
+    #[test]
+    fn a_refused_dispatch_chain_is_not_remembered() {
+        let mut f = filter(4);
+        workloads(&mut f, &["cali0"], 1);
+        let bad = vec![r("-o cali0 -j REJECT")];
+        assert!(f.set_chain("dph-to-wl-dispatch", bad.clone()).is_err());
+        assert!(
+            f.set_chain("dph-to-wl-dispatch", bad).is_err(),
+            "refused again, not taken as already set"
+        );
+        let good = vec![r("-o cali0 -g dph-tw-cali0"), r("-j DROP")];
+        f.set_chain("dph-to-wl-dispatch", good.clone()).unwrap();
+        f.settle().unwrap();
+        let d = &f.main.desired("dph-to-wl-dispatch").unwrap().rules;
+        assert_eq!(d[0].text(), "-o cali0 -g dph-tw-pending-in-shards");
+        f.set_chain("dph-to-wl-dispatch", good).unwrap();
     }
 
     /// A new interface does not go to a shard a quarter fuller than the
