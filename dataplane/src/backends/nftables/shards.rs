@@ -269,6 +269,9 @@ impl Filter {
             }
         }
         let mut touched: BTreeSet<usize> = BTreeSet::new();
+        // A chain a shard refuses stays dirty (tried again at the next
+        // settle) and the others still go in; the first refusal is returned.
+        let mut refused: Option<RuleError> = None;
         for name in dirty {
             let (dir, iface) = l.endpoint(&name).expect("only endpoint chains are dirty");
             let iface = iface.to_string();
@@ -290,7 +293,11 @@ impl Filter {
                         .desired(&name)
                         .map(|c| c.targets().map(str::to_string).collect())
                         .unwrap_or_default();
-                    shard.set_chain(&name, body)?;
+                    if let Err(e) = shard.set_chain(&name, body) {
+                        l.dirty.insert(name);
+                        refused.get_or_insert(e);
+                        continue;
+                    }
                     let new: Vec<String> = shard
                         .desired(&name)
                         .map(|c| c.targets().map(str::to_string).collect())
@@ -332,7 +339,7 @@ impl Filter {
         for s in touched {
             l.dispatch(&mut self.shards[s], s)?;
         }
-        Ok(())
+        refused.map_or(Ok(()), Err)
     }
 }
 
