@@ -273,6 +273,9 @@ pub struct Metrics {
     pub batch_size: Histogram,
     /// Messages refused (at the edge or by the loop).
     pub rejections: Counter,
+    /// Messages a feeder's stream waited for (its peer over the message
+    /// rate limit).
+    pub message_waits: Counter,
     /// Refresh ticks (each re-reads part of the kernel), by refresh.
     pub resyncs: Family<RefreshLabel, Counter>,
     /// 1 once the dataplane is in sync.
@@ -328,6 +331,7 @@ impl Default for Metrics {
             messages: Family::default(),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
             rejections: Counter::default(),
+            message_waits: Counter::default(),
             resyncs: Family::default(),
             in_sync: Gauge::default(),
             feeders: Gauge::default(),
@@ -403,6 +407,11 @@ impl Metrics {
             "grpc_rejections",
             "Messages refused, with a reason sent back on their stream",
             self.rejections.clone(),
+        );
+        registry.register(
+            "grpc_message_waits",
+            "Messages read only after waiting for the peer's message rate limit",
+            self.message_waits.clone(),
         );
         registry.register(
             "int_dataplane_resyncs",

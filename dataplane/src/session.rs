@@ -85,6 +85,16 @@ impl Store {
         }
     }
 
+    /// Whether an object with `key` is held.
+    pub fn contains(&self, key: &Key) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    /// Objects of `kind` held.
+    pub fn count(&self, kind: Kind) -> u64 {
+        self.counts.get(&kind).copied().unwrap_or(0)
+    }
+
     /// Objects held, by kind.
     pub fn counts(&self) -> impl Iterator<Item = (Kind, u64)> + '_ {
         self.counts.iter().map(|(k, v)| (*k, *v))

@@ -196,7 +196,11 @@ impl ApplyTimes {
     }
 }
 
-/// Timings (Felix's defaults, but for the apply throttle's).
+/// [`LoopConfig::max_objects_per_kind`] unless set: 25 times the policy
+/// benchmark's 10,000 endpoints.
+pub const DEFAULT_MAX_OBJECTS_PER_KIND: u64 = 250_000;
+
+/// Timings (Felix's defaults, but for the apply throttle's) and limits.
 #[derive(Debug, Clone)]
 pub struct LoopConfig {
     /// Applies that may run back to back after a quiet spell.
@@ -234,6 +238,11 @@ pub struct LoopConfig {
     /// How often an idle loop still turns (and says so in
     /// [`Channels::alive`]), for liveness.
     pub liveness_tick: Duration,
+    /// Most objects of one kind (endpoints, policies, IP sets, routes, …)
+    /// held at once: a message that would add one more is rejected (those
+    /// that replace or remove one always pass), so a feeder cannot grow
+    /// the daemon's memory without bound.
+    pub max_objects_per_kind: u64,
 }
 
 impl Default for LoopConfig {
@@ -261,6 +270,7 @@ impl Default for LoopConfig {
             heartbeat_first: Duration::from_secs(10),
             heartbeat_every: Duration::from_secs(30),
             liveness_tick: Duration::from_secs(5),
+            max_objects_per_kind: DEFAULT_MAX_OBJECTS_PER_KIND,
         }
     }
 }
@@ -570,6 +580,27 @@ impl SyncLoop {
 
     /// Whether every manager accepts `update`; if not, it is rejected.
     fn accepted(&mut self, session: SessionId, seq: u64, update: &Update) -> bool {
+        if let Some(key) = update.upsert_key()
+            && key.sweepable()
+            && !self.store.contains(&key)
+        {
+            let kind = key.kind();
+            let held = self.store.count(kind);
+            if held >= self.cfg.max_objects_per_kind {
+                self.reject(
+                    session,
+                    seq,
+                    kind.wire_field(),
+                    format!(
+                        "{held} {} objects are held, the most allowed \
+                         (--max-objects-per-kind); this new one was not added \
+                         (replacing or removing one still works)",
+                        kind.as_str()
+                    ),
+                );
+                return false;
+            }
+        }
         if let Update::Config(kv) = update
             && let Err((field, why)) = config::ConfigState::check(kv)
         {

@@ -3,6 +3,7 @@
 //! they never touch the kernel.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -17,17 +18,28 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::connector::Connector;
+use crate::limits::{self, MessageLimiter};
 
 /// Most messages one feed item carries.
 const BATCH: usize = 64;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-#[derive(Debug)]
 pub struct DataplaneService {
     conn: Connector,
     next_session: AtomicU64,
     started: Instant,
+    /// Messages per peer on `ToDataplane` streams (see [`crate::limits`]).
+    messages: Option<Arc<MessageLimiter>>,
+}
+
+impl std::fmt::Debug for DataplaneService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataplaneService")
+            .field("conn", &self.conn)
+            .field("message_limit", &self.messages.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl DataplaneService {
@@ -36,7 +48,14 @@ impl DataplaneService {
             conn,
             next_session: AtomicU64::new(1),
             started: Instant::now(),
+            messages: None,
         }
+    }
+
+    /// Limits the messages each peer sends over its `ToDataplane` streams.
+    pub fn with_message_limit(mut self, limiter: MessageLimiter) -> Self {
+        self.messages = Some(Arc::new(limiter));
+        self
     }
 }
 
@@ -170,6 +189,12 @@ impl Dataplane for DataplaneService {
         &self,
         request: Request<Streaming<felix::ToDataplane>>,
     ) -> Result<Response<Self::ToDataplaneStream>, Status> {
+        // A stream whose peer is unknown (tonic always attaches one) is
+        // not limited by message: the call limit still applies.
+        let limit = self
+            .messages
+            .clone()
+            .zip(limits::peer_of(request.extensions()));
         let mut inbound = request.into_inner();
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let (prog_tx, mut prog_rx) = watch::channel(0u64);
@@ -203,6 +228,27 @@ impl Dataplane for DataplaneService {
                     match item {
                         Ok(Some(msg)) => {
                             messages += 1;
+                            if let Some((limiter, peer)) = &limit
+                                && limiter.check_key(peer).is_err()
+                            {
+                                // Over the peer's message rate: what is
+                                // batched goes first, then the reader waits
+                                // (the feeder is held back by flow control).
+                                if !batch.is_empty() {
+                                    let messages =
+                                        std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                                    if reader_feed
+                                        .send(Feed::Messages { session, messages })
+                                        .await
+                                        .is_err()
+                                    {
+                                        ended = true; // the loop has stopped
+                                        break;
+                                    }
+                                }
+                                metrics.message_waits.inc();
+                                limits::take_message(limiter, peer).await;
+                            }
                             let seq = msg.sequence_number;
                             match dphandler_proto::convert::to_update(msg) {
                                 Ok(Some(update)) => {

@@ -89,6 +89,10 @@ struct ServeArgs {
         default_value = "/run/dphandler/dataplane.sock"
     )]
     socket: PathBuf,
+    /// Group that owns the unix socket (a name or a number): its members
+    /// may use the API without root. Default: the daemon's own group.
+    #[arg(long, env = "DPH_SOCKET_GROUP")]
+    socket_group: Option<String>,
     /// Also listen on TCP at this address (e.g. `0.0.0.0:50051`). Requires
     /// --tls-cert, --tls-key and --tls-ca (clients must present a certificate
     /// signed by that CA) unless --insecure-tcp.
@@ -120,6 +124,19 @@ struct ServeArgs {
     /// Calls a peer may make in a burst before the rate applies.
     #[arg(long, env = "DPH_RATE_LIMIT_BURST", default_value_t = 100)]
     rate_limit_burst: u32,
+    /// Messages per second each peer may send over its ToDataplane
+    /// streams together; a peer over it is slowed down (its stream waits),
+    /// nothing is dropped.
+    #[arg(long, env = "DPH_MESSAGE_RATE_PER_SECOND", default_value_t = 20000.0)]
+    message_rate_per_second: f64,
+    /// Messages a peer may send in a burst (a snapshot) before the message
+    /// rate applies.
+    #[arg(long, env = "DPH_MESSAGE_BURST", default_value_t = 500_000)]
+    message_burst: u32,
+    /// Most objects of one kind held at once (workload endpoints, policies,
+    /// IP sets, routes, …): a message that would add one more is rejected.
+    #[arg(long, env = "DPH_MAX_OBJECTS_PER_KIND", default_value_t = dphandler_dataplane::sync_loop::DEFAULT_MAX_OBJECTS_PER_KIND, value_parser = clap::value_parser!(u64).range(1..))]
+    max_objects_per_kind: u64,
     /// Seconds open streams get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "DPH_SHUTDOWN_GRACE_SECONDS", default_value_t = 2.0)]
     shutdown_grace_seconds: f64,
@@ -131,6 +148,10 @@ struct ServeArgs {
     /// rejected.
     #[arg(long, env = "DPH_MAX_IPSET_SIZE", default_value_t = dphandler_dataplane::managers::ipsets::DEFAULT_MAX_SIZE)]
     max_ipset_size: u32,
+    /// Most members over all IP sets together; a message that would go
+    /// beyond is rejected.
+    #[arg(long, env = "DPH_MAX_IPSET_MEMBERS", default_value_t = dphandler_dataplane::managers::ipsets::DEFAULT_MAX_MEMBERS)]
+    max_ipset_members: usize,
     /// Seconds between re-reads of the kernel's IP sets (0: never); what was
     /// changed by hand is repaired then.
     #[arg(long, env = "DPH_IPSET_REFRESH_SECONDS", default_value_t = 90.0)]
@@ -501,6 +522,14 @@ async fn serve(
         limits::governor_config(args.rate_limit_per_second, args.rate_limit_burst)
             .context("--rate-limit-per-second / --rate-limit-burst")?,
     );
+    let message_limiter = limits::message_limiter(args.message_rate_per_second, args.message_burst)
+        .context("--message-rate-per-second / --message-burst")?;
+    let socket_group = args
+        .socket_group
+        .as_deref()
+        .map(listen::group)
+        .transpose()
+        .context("--socket-group")?;
     let secs = |v: f64, flag: &str| {
         std::time::Duration::try_from_secs_f64(v)
             .with_context(|| format!("{flag} must be a non-negative number of seconds"))
@@ -523,6 +552,7 @@ async fn serve(
         } else {
             bail!("--apply-duty must be above 0 and at most 1")
         },
+        max_objects_per_kind: args.max_objects_per_kind,
         ..LoopConfig::default()
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -761,6 +791,7 @@ async fn serve(
     let mut managers: Vec<Box<dyn Manager>> = vec![
         Box::new(
             IpSetsManager::new(args.max_ipset_size)
+                .with_max_members(args.max_ipset_members)
                 .with_host_ips(&args.workload_iface_prefix)
                 .with_vxlan_sources(args.vxlan),
         ),
@@ -812,7 +843,7 @@ async fn serve(
     } else {
         (kernel, managers)
     };
-    let listener = listen::bind_unix(&args.socket).await?;
+    let listener = listen::bind_unix(&args.socket, socket_group).await?;
     let tcp_listener = match args.tcp {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -895,9 +926,11 @@ async fn serve(
     let reflection_v1alpha = reflection_builder()
         .build_v1alpha()
         .context("building the v1alpha reflection service")?;
-    let svc = DataplaneServer::from_arc(Arc::new(DataplaneService::new(conn)))
-        .max_decoding_message_size(args.max_message_bytes)
-        .max_encoding_message_size(args.max_message_bytes);
+    let svc = DataplaneServer::from_arc(Arc::new(
+        DataplaneService::new(conn).with_message_limit(message_limiter),
+    ))
+    .max_decoding_message_size(args.max_message_bytes)
+    .max_encoding_message_size(args.max_message_bytes);
 
     // Both listeners stop on the first SIGTERM/SIGINT.
     let (signalled_tx, signalled) = tokio::sync::watch::channel(false);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use dphandler_proto::v1;
 use dphandler_tests::tls::{ca_and_cert, cert};
-use dphandler_tests::{Daemon, Netns, bin, in_sync, ipset, msg, privileged, push, tempdir};
+use dphandler_tests::{Daemon, Netns, bin, in_sync, ipset, ipsets, msg, privileged, push, tempdir};
 
 #[tokio::test]
 async fn rate_limit_is_per_peer_and_says_so() -> Result<()> {
@@ -251,6 +251,230 @@ async fn mtls_requires_a_client_certificate_from_the_ca() -> Result<()> {
         dphctl_tcp(&ns, d, port, Some(("good", "client")))?
             .status
             .success()
+    );
+    Ok(())
+}
+
+/// Runs `dphctl --socket <socket> <args>` as uid 65534, with `groups` as
+/// its only groups (none: `--clear-groups`), `stdin` fed in.
+fn dphctl_as_nobody(
+    socket: &Path,
+    groups: Option<&str>,
+    args: &[&str],
+    stdin: &str,
+) -> Result<Output> {
+    use std::io::Write;
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid=65534", "--regid=65534"]);
+    match groups {
+        Some(g) => c.arg(format!("--groups={g}")),
+        None => c.arg("--clear-groups"),
+    };
+    let mut child = c
+        .arg(bin("dphctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(stdin.as_bytes())?;
+    Ok(child.wait_with_output()?)
+}
+
+#[tokio::test]
+async fn socket_group_lets_its_members_in() -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let socket = dir.path().join("dp.sock");
+    let ns = Netns::new("sgrp")?;
+    // A group number no account needs to exist for (the host's group file
+    // is left alone).
+    let d = Daemon::start(&ns, &socket, &["--socket-group", "4242"])?;
+    d.connect().await?;
+    let meta = std::fs::metadata(&socket)?;
+    assert_eq!(
+        (meta.gid(), meta.permissions().mode() & 0o777),
+        (4242, 0o660)
+    );
+    let ok = dphctl_as_nobody(&socket, Some("4242"), &["status"], "")?;
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let refused = dphctl_as_nobody(&socket, None, &["status"], "")?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    assert!(err.to_lowercase().contains("permission denied"), "{err}");
+    drop(d);
+
+    // A group name that does not exist stops the daemon before it binds.
+    let out = ns
+        .command(bin("dphandler"))
+        .args(["serve", "--socket-group", "dph-no-such-group-x", "--socket"])
+        .arg(dir.path().join("other.sock"))
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("--socket-group") && err.contains("dph-no-such-group-x"),
+        "{err}"
+    );
+    assert!(!dir.path().join("other.sock").exists());
+    Ok(())
+}
+
+/// A peer over its message rate is slowed down, loses nothing, and another
+/// peer's stream is not held back meanwhile.
+#[tokio::test]
+async fn message_rate_is_per_peer_and_slows_without_loss() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let socket = dir.path().join("dp.sock");
+    let ns = Netns::new("mrate")?;
+    let d = Daemon::start(
+        &ns,
+        &socket,
+        &[
+            "--message-rate-per-second",
+            "200",
+            "--message-burst",
+            "100",
+            "--socket-group",
+            "4242",
+        ],
+    )?;
+    let mut client = d.connect().await?;
+    // 500 messages: 100 at once, then 400 at 200/s — 2 s at least.
+    let mut msgs: Vec<_> = (1..500)
+        .map(|i| msg(i, ipset(&format!("s:{i}"), &["10.0.0.1"])))
+        .collect();
+    msgs.push(msg(500, in_sync()));
+    let started = std::time::Instant::now();
+    let mut root = client.clone();
+    let flood = tokio::spawn(async move { push(&mut root, msgs).await });
+    // Meanwhile another peer (uid 65534) pushes a delta of its own.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = std::time::Instant::now();
+    let other = dphctl_as_nobody(
+        &socket,
+        Some("4242"),
+        &["push", "--no-wait", "-"],
+        "{\"ipsetUpdate\":{\"id\":\"s:other\",\"members\":[\"10.0.0.2\"]}}\n",
+    )?;
+    let other_took = t.elapsed();
+    assert!(
+        other.status.success(),
+        "{}",
+        String::from_utf8_lossy(&other.stderr)
+    );
+    let (rejected, programmed) = flood.await??;
+    let took = started.elapsed();
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert_eq!(programmed, 500);
+    assert!(
+        took >= Duration::from_millis(1900),
+        "400 messages over the burst at 200/s took {took:?}"
+    );
+    assert!(
+        other_took < Duration::from_millis(1500) && other_took + Duration::from_millis(500) < took,
+        "the other peer waited {other_took:?} (the flood took {took:?})"
+    );
+    let st = client
+        .get_status(v1::GetStatusRequest {})
+        .await?
+        .into_inner();
+    assert_eq!(
+        st.objects.get("ipset"),
+        Some(&500),
+        "499 + the other peer's: {:?}",
+        st.objects
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn objects_per_kind_are_limited_and_the_rest_goes_on() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let socket = dir.path().join("dp.sock");
+    let ns = Netns::new("kinds")?;
+    let d = Daemon::start(
+        &ns,
+        &socket,
+        &["--max-objects-per-kind", "3", "--max-ipset-members", "5"],
+    )?;
+    let mut client = d.connect().await?;
+    let (rejected, _) = push(
+        &mut client,
+        vec![
+            msg(1, ipset("s:a", &["10.0.0.1"])),
+            msg(2, ipset("s:b", &["10.0.0.2"])),
+            msg(3, ipset("s:c", &["10.0.0.3"])),
+            msg(4, ipset("s:d", &["10.0.0.4"])), // a fourth set
+            msg(5, ipset("s:a", &["10.0.0.1", "10.0.0.5"])), // replacing is fine
+            msg(6, ipset("s:b", &["10.0.0.2", "10.0.0.6", "10.0.0.7"])), // 6 members in all
+            msg(7, in_sync()),
+        ],
+    )
+    .await?;
+    let got: Vec<(u64, &str)> = rejected
+        .iter()
+        .map(|r| (r.sequence_number, r.field.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [(4, "ipset_update"), (6, "ipset_update.members")],
+        "{rejected:?}"
+    );
+    assert!(
+        rejected[0].reason.contains("--max-objects-per-kind"),
+        "{rejected:?}"
+    );
+    assert!(
+        rejected[1].reason.contains("--max-ipset-members"),
+        "{rejected:?}"
+    );
+    let st = client
+        .get_status(v1::GetStatusRequest {})
+        .await?
+        .into_inner();
+    assert_eq!(st.objects.get("ipset"), Some(&3), "{:?}", st.objects);
+    if dphandler_tests::kernel::nftables() {
+        return Ok(()); // the sets are read with ipset below
+    }
+    let sets = ipsets(&ns)?;
+    let mut ours: Vec<(&str, Vec<String>)> = sets
+        .iter()
+        .filter(|(n, _)| n.starts_with("dph40s:"))
+        .map(|(n, s)| (n.as_str(), s.members.iter().cloned().collect()))
+        .collect();
+    ours.sort();
+    assert_eq!(
+        ours,
+        [
+            (
+                "dph40s:a",
+                vec!["10.0.0.1".to_string(), "10.0.0.5".to_string()]
+            ),
+            ("dph40s:b", vec!["10.0.0.2".to_string()]),
+            ("dph40s:c", vec!["10.0.0.3".to_string()]),
+        ]
     );
     Ok(())
 }

@@ -15,6 +15,10 @@ use crate::model::{Id, IpVersion, Key, Update, ValidationError};
 /// Felix's default `MaxIpsetSize`.
 pub const DEFAULT_MAX_SIZE: u32 = 1_048_576;
 
+/// Most members over all of the calc graph's sets together, unless set
+/// (ten times the policy benchmark's 1,000,000).
+pub const DEFAULT_MAX_MEMBERS: usize = 10_000_000;
+
 #[derive(Debug)]
 struct DesiredSet {
     set_type: IpSetType,
@@ -40,6 +44,11 @@ enum Change {
 #[derive(Debug)]
 pub struct IpSetsManager {
     max_size: u32,
+    /// Most members over all of the calc graph's sets (a feeder cannot
+    /// grow the daemon's memory without bound by sending many big sets).
+    max_members: usize,
+    /// Members the calc graph's sets hold now.
+    members_total: usize,
     sets: HashMap<Id, DesiredSet>,
     /// What changed since the last `complete_deferred_work`.
     changes: HashMap<Id, Change>,
@@ -99,6 +108,8 @@ impl IpSetsManager {
     pub fn new(max_size: u32) -> Self {
         Self {
             max_size,
+            max_members: DEFAULT_MAX_MEMBERS,
+            members_total: 0,
             sets: HashMap::new(),
             changes: HashMap::new(),
             pools: Default::default(),
@@ -108,6 +119,13 @@ impl IpSetsManager {
             vxlan_flag: None,
             encap: crate::model::Encapsulation::default(),
         }
+    }
+
+    /// At most `n` members over all of the calc graph's sets together; a
+    /// message that would go beyond is rejected whole.
+    pub fn with_max_members(mut self, n: usize) -> Self {
+        self.max_members = n;
+        self
     }
 
     /// Also keep the host-IPs set ([`HOST_IPS`]): the addresses of every
@@ -213,6 +231,22 @@ impl IpSetsManager {
         Ok(())
     }
 
+    /// Refuses a message after which the sets would hold `n` members in
+    /// all.
+    fn too_many(&self, field: &str, n: usize) -> Result<(), ValidationError> {
+        if n > self.max_members {
+            return Err(ValidationError::new(
+                field,
+                format!(
+                    "the IP sets would hold {n} members in all, over the maximum of {} \
+                     (--max-ipset-members); nothing of it was applied",
+                    self.max_members
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn meta(&self, set_type: IpSetType) -> Meta {
         Meta {
             set_type,
@@ -242,7 +276,11 @@ impl Manager for IpSetsManager {
                     let n = unique.iter().filter(|m| m.version() == v).count();
                     self.too_big("ipset_update.members", v, n)?;
                 }
-                Ok(())
+                let held = self.sets.get(&s.id).map_or(0, |d| d.members.len());
+                self.too_many(
+                    "ipset_update.members",
+                    self.members_total.saturating_sub(held) + unique.len(),
+                )
             }
             Update::IpSetDeltaUpdate(d) => {
                 let Some(set) = self.sets.get(&d.id) else {
@@ -262,6 +300,19 @@ impl Manager for IpSetsManager {
                     let n = set.count(v) - gone + new.len();
                     self.too_big("ipset_delta_update.added_members", v, n)?;
                 }
+                // What the set holds after: removed first, then added.
+                let added: HashSet<&Member> = d.added.iter().collect();
+                let new = added.iter().filter(|m| !set.members.contains(**m)).count();
+                let gone = removed
+                    .iter()
+                    .filter(|m| set.members.contains(**m) && !added.contains(*m))
+                    .count();
+                if new > gone {
+                    self.too_many(
+                        "ipset_delta_update.added_members",
+                        self.members_total + new - gone,
+                    )?;
+                }
                 Ok(())
             }
             _ => Ok(()),
@@ -271,23 +322,27 @@ impl Manager for IpSetsManager {
     fn on_update(&mut self, update: &Update) {
         match update {
             Update::IpSetUpdate(s) => {
-                self.sets.insert(
-                    s.id.clone(),
-                    DesiredSet {
-                        set_type: s.set_type,
-                        members: s.members.iter().copied().collect(),
-                    },
-                );
+                let set = DesiredSet {
+                    set_type: s.set_type,
+                    members: s.members.iter().copied().collect(),
+                };
+                self.members_total += set.members.len();
+                if let Some(old) = self.sets.insert(s.id.clone(), set) {
+                    self.members_total = self.members_total.saturating_sub(old.members.len());
+                }
                 self.changes.insert(s.id.clone(), Change::Full);
             }
             Update::IpSetDeltaUpdate(d) => {
                 let Some(set) = self.sets.get_mut(&d.id) else {
                     return;
                 };
+                let before = set.members.len();
                 for m in &d.removed {
                     set.members.remove(m);
                 }
                 set.members.extend(d.added.iter().copied());
+                self.members_total =
+                    (self.members_total + set.members.len()).saturating_sub(before);
                 match self
                     .changes
                     .entry(d.id.clone())
@@ -308,7 +363,10 @@ impl Manager for IpSetsManager {
                     }
                 }
             }
-            Update::Remove(Key::IpSet(id)) if self.sets.remove(id).is_some() => {
+            Update::Remove(Key::IpSet(id)) if self.sets.contains_key(id) => {
+                if let Some(old) = self.sets.remove(id) {
+                    self.members_total = self.members_total.saturating_sub(old.members.len());
+                }
                 self.changes.insert(id.clone(), Change::Removed);
             }
             Update::IpamPool(id, pool) => {
@@ -479,6 +537,48 @@ mod tests {
     fn apply(mgr: &mut IpSetsManager, k: &mut DesiredKernel) {
         mgr.complete_deferred_work(k).unwrap();
         k.apply_all().unwrap();
+    }
+
+    #[test]
+    fn members_over_all_sets_are_limited() {
+        let mut mgr = IpSetsManager::new(DEFAULT_MAX_SIZE).with_max_members(4);
+        let a = set("a", IpSetType::Ip, &["10.0.0.1", "10.0.0.2", "fd00::1"]);
+        mgr.check(&a).unwrap();
+        mgr.on_update(&a);
+        let b = set("b", IpSetType::Ip, &["10.0.0.1", "10.0.0.9"]);
+        let err = mgr.check(&b).unwrap_err();
+        assert_eq!(err.field, "ipset_update.members");
+        assert!(
+            err.reason
+                .contains("5 members in all, over the maximum of 4"),
+            "{}",
+            err.reason
+        );
+        // Replacing a set counts what it then holds, not both.
+        let a2 = set(
+            "a",
+            IpSetType::Ip,
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"],
+        );
+        mgr.check(&a2).unwrap();
+        // A delta: removals make room in the same message.
+        let d = delta("a", &["10.0.0.5", "10.0.0.6"], &[]);
+        assert_eq!(
+            mgr.check(&d).unwrap_err().field,
+            "ipset_delta_update.added_members"
+        );
+        let d = delta("a", &["10.0.0.5"], &["10.0.0.1"]);
+        mgr.check(&d).unwrap();
+        mgr.on_update(&d);
+        let d = delta("a", &["10.0.0.5", "10.0.0.2"], &[]);
+        mgr.check(&d).unwrap(); // nothing new
+        mgr.on_update(&Update::Remove(Key::IpSet(Id::new("a").unwrap())));
+        mgr.check(&set(
+            "b",
+            IpSetType::Ip,
+            &["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"],
+        ))
+        .unwrap();
     }
 
     #[test]

@@ -349,6 +349,30 @@ impl Kind {
             Self::GlobalBgpConfig => "global_bgp_config",
         }
     }
+
+    /// The `ToDataplane` field whose message creates or replaces an object
+    /// of this kind (what a rejection of such a message names).
+    pub fn wire_field(self) -> &'static str {
+        match self {
+            Self::IpSet => "ipset_update",
+            Self::Policy => "active_policy_update",
+            Self::Profile => "active_profile_update",
+            Self::HostEndpoint => "host_endpoint_update",
+            Self::WorkloadEndpoint => "workload_endpoint_update",
+            Self::HostMetadata => "host_metadata_update",
+            Self::IpamPool => "ipam_pool_update",
+            Self::ServiceAccount => "service_account_update",
+            Self::Namespace => "namespace_update",
+            Self::Route => "route_update",
+            Self::Vtep => "vtep_update",
+            Self::WireguardEndpoint => "wireguard_endpoint_update",
+            Self::WireguardEndpointV6 => "wireguard_endpoint_v6_update",
+            Self::Service => "service_update",
+            Self::Config => "config_update",
+            Self::Encapsulation => "encapsulation",
+            Self::GlobalBgpConfig => "global_bgp_config_update",
+        }
+    }
 }
 
 /// Identity of a keyed object: what a later Remove names.

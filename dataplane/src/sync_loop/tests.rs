@@ -552,3 +552,51 @@ fn iso_timestamps_look_right() {
         "{s}"
     );
 }
+
+#[tokio::test]
+async fn a_new_object_over_the_kind_limit_is_rejected_and_the_rest_goes_on() {
+    let mut h = start(LoopConfig {
+        max_objects_per_kind: 2,
+        ..fast_config()
+    })
+    .await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, set("b")).await;
+    send(&h, 1, 3, set("c")).await; // a third set: over the limit
+    send(&h, 1, 4, set("a")).await; // replacing one held still works
+    let ns = Update::Namespace {
+        name: Id::new("default").unwrap(),
+        labels: vec![],
+    };
+    send(&h, 1, 5, ns).await; // other kinds count on their own
+    send(&h, 1, 6, Update::Remove(Key::IpSet(Id::new("b").unwrap()))).await;
+    send(&h, 1, 7, set("c")).await; // room again
+    send(&h, 1, 8, Update::InSync).await;
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    let r = h.rejections.recv().await.unwrap();
+    assert_eq!((r.sequence_number, r.field.as_str()), (3, "ipset_update"));
+    assert!(
+        r.reason.contains("2 ipset objects are held")
+            && r.reason.contains("--max-objects-per-kind"),
+        "{}",
+        r.reason
+    );
+    assert!(h.rejections.try_recv().is_err(), "only the one");
+    assert_eq!(st.objects.get("ipset"), Some(&2));
+    assert_eq!(st.objects.get("namespace"), Some(&1));
+    let seen = h.seen.lock().unwrap();
+    let sets: Vec<&str> = seen
+        .updates
+        .iter()
+        .filter_map(|u| match u {
+            Update::IpSetUpdate(s) => Some(s.id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        sets,
+        ["a", "b", "a", "c"],
+        "the refused one reached no manager"
+    );
+}
