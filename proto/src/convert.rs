@@ -185,8 +185,8 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             (|| {
                 Ok(Update::HostMetadata(HostMetadata {
                     hostname: id(&u.hostname, "hostname")?,
-                    ipv4_addr: at(host_addr(&u.ipv4_addr), "ipv4_addr")?,
-                    ipv6_addr: at(host_addr(&u.ipv6_addr), "ipv6_addr")?,
+                    ipv4_addr: at(host_addr(&u.ipv4_addr).and_then(v4), "ipv4_addr")?,
+                    ipv6_addr: at(host_addr(&u.ipv6_addr).and_then(v6), "ipv6_addr")?,
                     asnumber: if u.asnumber.is_empty() {
                         None
                     } else {
@@ -284,12 +284,15 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                 Ok(Update::Vtep(Vtep {
                     node: id(&u.node, "node")?,
                     mac: opt_mac(&u.mac, "mac")?,
-                    ipv4_addr: at(parse_ip_opt(&u.ipv4_addr), "ipv4_addr")?,
-                    parent_device_ip: at(parse_ip_opt(&u.parent_device_ip), "parent_device_ip")?,
+                    ipv4_addr: at(parse_ip_opt(&u.ipv4_addr).and_then(v4), "ipv4_addr")?,
+                    parent_device_ip: at(
+                        parse_ip_opt(&u.parent_device_ip).and_then(v4),
+                        "parent_device_ip",
+                    )?,
                     mac_v6: opt_mac(&u.mac_v6, "mac_v6")?,
-                    ipv6_addr: at(parse_ip_opt(&u.ipv6_addr), "ipv6_addr")?,
+                    ipv6_addr: at(parse_ip_opt(&u.ipv6_addr).and_then(v6), "ipv6_addr")?,
                     parent_device_ipv6: at(
-                        parse_ip_opt(&u.parent_device_ipv6),
+                        parse_ip_opt(&u.parent_device_ipv6).and_then(v6),
                         "parent_device_ipv6",
                     )?,
                 }))
@@ -298,7 +301,7 @@ fn convert_payload(p: Payload) -> Valid<Update> {
         )?,
         Payload::VtepRemove(u) => Update::Remove(Key::Vtep(id(&u.node, "vtep_remove.node")?)),
         Payload::WireguardEndpointUpdate(u) => Update::WireguardEndpoint(at(
-            wg_endpoint(&u.hostname, &u.public_key, &u.interface_ipv4_addr),
+            wg_endpoint(&u.hostname, &u.public_key, &u.interface_ipv4_addr, v4),
             "wireguard_endpoint_update",
         )?),
         Payload::WireguardEndpointRemove(u) => Update::Remove(Key::WireguardEndpoint(id(
@@ -306,7 +309,7 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             "wireguard_endpoint_remove.hostname",
         )?)),
         Payload::WireguardEndpointV6Update(u) => Update::WireguardEndpointV6(at(
-            wg_endpoint(&u.hostname, &u.public_key_v6, &u.interface_ipv6_addr),
+            wg_endpoint(&u.hostname, &u.public_key_v6, &u.interface_ipv6_addr, v6),
             "wireguard_endpoint_v6_update",
         )?),
         Payload::WireguardEndpointV6Remove(u) => Update::Remove(Key::WireguardEndpointV6(id(
@@ -440,7 +443,33 @@ fn opt_mac(s: &str, field: &str) -> Valid<Option<MacAddr>> {
     }
 }
 
-fn wg_endpoint(host: &str, key: &str, addr: &str) -> Valid<WireguardEndpoint> {
+/// An address given for IPv4 must be one (and [`v6`] for IPv6): a VTEP or
+/// a WireGuard peer of the wrong family would be programmed into the other
+/// family's routes.
+fn v4(a: Option<std::net::IpAddr>) -> Valid<Option<std::net::IpAddr>> {
+    match a {
+        Some(ip @ std::net::IpAddr::V6(_)) => {
+            Err(ValidationError::new("", format!("{ip} is not IPv4")))
+        }
+        a => Ok(a),
+    }
+}
+
+fn v6(a: Option<std::net::IpAddr>) -> Valid<Option<std::net::IpAddr>> {
+    match a {
+        Some(ip @ std::net::IpAddr::V4(_)) => {
+            Err(ValidationError::new("", format!("{ip} is not IPv6")))
+        }
+        a => Ok(a),
+    }
+}
+
+fn wg_endpoint(
+    host: &str,
+    key: &str,
+    addr: &str,
+    family: fn(Option<std::net::IpAddr>) -> Valid<Option<std::net::IpAddr>>,
+) -> Valid<WireguardEndpoint> {
     Ok(WireguardEndpoint {
         hostname: id(host, "hostname")?,
         public_key: if key.is_empty() {
@@ -448,7 +477,7 @@ fn wg_endpoint(host: &str, key: &str, addr: &str) -> Valid<WireguardEndpoint> {
         } else {
             Some(at(wg_key(key), "public_key")?)
         },
-        interface_addr: at(parse_ip_opt(addr), "interface_addr")?,
+        interface_addr: at(parse_ip_opt(addr).and_then(family), "interface_addr")?,
     })
 }
 
@@ -482,11 +511,20 @@ fn wg_key(s: &str) -> Valid<[u8; 32]> {
 }
 
 fn tiers(ts: &[felix::TierInfo], field: &str) -> Valid<Vec<TierInfo>> {
+    let mut seen = std::collections::HashSet::new();
     ts.iter()
         .enumerate()
         .map(|(i, t)| {
             at_index(
                 (|| {
+                    // A tier twice would be evaluated twice, its chains
+                    // named twice: Felix's calc graph never sends it.
+                    if !seen.insert(t.name.as_str()) {
+                        return Err(ValidationError::new(
+                            "name",
+                            format!("tier {:?} is listed twice", t.name),
+                        ));
+                    }
                     Ok(TierInfo {
                         name: id(&t.name, "name")?,
                         ingress_policies: policy_ids(&t.ingress_policies, "ingress_policies")?,
@@ -581,8 +619,12 @@ fn host_endpoint(u: &felix::HostEndpointUpdate) -> Valid<Update> {
                 untracked_tiers: tiers(&e.untracked_tiers, "untracked_tiers")?,
                 pre_dnat_tiers: tiers(&e.pre_dnat_tiers, "pre_dnat_tiers")?,
                 forward_tiers: tiers(&e.forward_tiers, "forward_tiers")?,
-                expected_ipv4_addrs: list(&e.expected_ipv4_addrs, "expected_ipv4_addrs", parse_ip)?,
-                expected_ipv6_addrs: list(&e.expected_ipv6_addrs, "expected_ipv6_addrs", parse_ip)?,
+                expected_ipv4_addrs: list(&e.expected_ipv4_addrs, "expected_ipv4_addrs", |s| {
+                    v4(Some(parse_ip(s)?)).map(|a| a.expect("given"))
+                })?,
+                expected_ipv6_addrs: list(&e.expected_ipv6_addrs, "expected_ipv6_addrs", |s| {
+                    v6(Some(parse_ip(s)?)).map(|a| a.expect("given"))
+                })?,
             })
         })(),
         "endpoint",

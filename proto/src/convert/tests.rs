@@ -266,3 +266,82 @@ fn empty_payload_is_ignored_and_removes_convert() {
     .unwrap();
     assert_eq!(u, Update::Remove(Key::IpSet(Id::new("s:x").unwrap())));
 }
+
+#[test]
+fn addresses_are_of_the_family_their_field_names() {
+    let vtep = |v4: &str, parent: &str| {
+        Payload::VtepUpdate(felix::VxlanTunnelEndpointUpdate {
+            node: "n".into(),
+            mac: "66:00:00:00:00:01".into(),
+            ipv4_addr: v4.into(),
+            parent_device_ip: parent.into(),
+            ..Default::default()
+        })
+    };
+    assert!(to_update(msg(1, vtep("10.65.1.0", "192.168.0.2"))).is_ok());
+    assert_eq!(
+        reject(vtep("fd00::1", "192.168.0.2")).error.field,
+        "vtep_update.ipv4_addr"
+    );
+    assert_eq!(
+        reject(vtep("10.65.1.0", "fd00::2")).error.field,
+        "vtep_update.parent_device_ip"
+    );
+    let wg = Payload::WireguardEndpointV6Update(felix::WireguardEndpointV6Update {
+        hostname: "n".into(),
+        interface_ipv6_addr: "10.0.0.1".into(),
+        ..Default::default()
+    });
+    assert_eq!(
+        reject(wg).error.field,
+        "wireguard_endpoint_v6_update.interface_addr"
+    );
+    let hep = Payload::HostEndpointUpdate(felix::HostEndpointUpdate {
+        id: Some(felix::HostEndpointId {
+            endpoint_id: "h".into(),
+        }),
+        endpoint: Some(felix::HostEndpoint {
+            name: "eth0".into(),
+            expected_ipv6_addrs: vec!["10.0.0.1".into()],
+            ..Default::default()
+        }),
+    });
+    assert_eq!(
+        reject(hep).error.field,
+        "host_endpoint_update.endpoint.expected_ipv6_addrs[0]"
+    );
+}
+
+#[test]
+fn a_tier_listed_twice_is_refused() {
+    let tier = |name: &str| felix::TierInfo {
+        name: name.into(),
+        ..Default::default()
+    };
+    let wep = |tiers: Vec<felix::TierInfo>| {
+        Payload::WorkloadEndpointUpdate(felix::WorkloadEndpointUpdate {
+            id: Some(felix::WorkloadEndpointId {
+                orchestrator_id: "k8s".into(),
+                workload_id: "w".into(),
+                endpoint_id: "e".into(),
+            }),
+            endpoint: Some(felix::WorkloadEndpoint {
+                state: "active".into(),
+                name: "cali1".into(),
+                tiers,
+                ..Default::default()
+            }),
+        })
+    };
+    assert!(to_update(msg(1, wep(vec![tier("a"), tier("b")]))).is_ok());
+    let r = reject(wep(vec![tier("a"), tier("b"), tier("a")]));
+    assert_eq!(
+        r.error.field,
+        "workload_endpoint_update.endpoint.tiers[2].name"
+    );
+    assert!(
+        r.error.reason.contains("listed twice"),
+        "{}",
+        r.error.reason
+    );
+}

@@ -197,6 +197,11 @@ pub struct EndpointsManager {
     reported_hosts: BTreeMap<HostEndpointId, &'static str>,
     /// The chains each owner set, per table index.
     owned: HashMap<Owner, Vec<(usize, String)>>,
+    /// How many owners set each chain (per table index): a chain goes
+    /// only when the last of them lets it go. Two workloads on one
+    /// interface name the same chains; while one shadows the other, the
+    /// one let go must not take the other's chains with it.
+    claims: HashMap<(usize, String), u32>,
     /// All-interfaces endpoints with untracked policy already warned about.
     warned: BTreeSet<HostEndpointId>,
     /// The calc graph's encapsulation (whether VXLAN is on).
@@ -293,12 +298,32 @@ impl EndpointsManager {
             wg_config: std::collections::BTreeMap::new(),
             dispatch_memo: Default::default(),
             owned: HashMap::new(),
+            claims: HashMap::new(),
             warned: BTreeSet::new(),
         }
     }
 
     /// Index (or unindex) a workload: its policy and profile references
     /// and its interface name; its status is due for a look.
+    /// Whether workload `id` (`ep`) is the one its interface serves: of
+    /// several endpoints on one interface name, the lowest id, as in Felix
+    /// (the others are shadowed until it goes: a make-before-break that
+    /// must behave predictably meanwhile).
+    fn active(&self, id: &WorkloadEndpointId, ep: &WorkloadEndpoint) -> bool {
+        self.by_name
+            .get(ep.name.as_str())
+            .and_then(|ids| ids.first())
+            .is_none_or(|first| first == id)
+    }
+
+    /// Every workload on interface `name` is rendered again (which of
+    /// them is active may have changed).
+    fn interface_changed(&mut self, name: &str) {
+        if let Some(ids) = self.by_name.get(name) {
+            self.dirty.workloads.extend(ids.iter().cloned());
+        }
+    }
+
     fn index(&mut self, id: &WorkloadEndpointId, ep: &WorkloadEndpoint, add: bool) {
         self.status_due.insert(id.clone());
         let named = self.by_name.entry(ep.name.as_str().to_owned()).or_default();
@@ -364,8 +389,8 @@ impl EndpointsManager {
             Owner::Policy(id) => self.policy_chains(id, table, v),
             Owner::Profile(id) if table == FILTER => self.profile_chains(id, v),
             Owner::Workload(id) if table == FILTER => match self.endpoints.get(id) {
-                Some(ep) => self.workload_chains(ep),
-                None => Ok(chains::Chains::new()),
+                Some(ep) if self.active(id, ep) => self.workload_chains(ep),
+                _ => Ok(chains::Chains::new()),
             },
             Owner::Dispatch if table == FILTER => self.dispatch_chains(),
             Owner::Static => self.static_chains(table, v, &self.resolved),
@@ -393,12 +418,20 @@ impl EndpointsManager {
                 }
             }
             let before = self.owned.remove(&owner).unwrap_or_default();
+            for key in now.iter().filter(|k| !before.contains(k)) {
+                *self.claims.entry(key.clone()).or_default() += 1;
+            }
             for (i, t) in kernel.rule_tables_mut().enumerate() {
-                for (_, name) in before
-                    .iter()
-                    .filter(|(j, n)| *j == i && !now.contains(&(i, n.clone())))
-                {
-                    t.remove_chain(name);
+                for key in before.iter().filter(|k| k.0 == i && !now.contains(k)) {
+                    let left = match self.claims.get_mut(key) {
+                        Some(n) if *n > 1 => {
+                            *n -= 1;
+                            continue;
+                        }
+                        _ => self.claims.remove(key),
+                    };
+                    debug_assert!(left.is_some(), "a chain owned is claimed");
+                    t.remove_chain(&key.1);
                 }
             }
             if !now.is_empty() {
@@ -444,8 +477,11 @@ impl EndpointsManager {
         BTreeSet<crate::model::routes::Neighbour>,
     ) {
         let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
-        for ep in self.endpoints.values() {
+        for (id, ep) in &self.endpoints {
             let dev = ep.name.as_str();
+            if !self.active(id, ep) {
+                continue; // shadowed: its interface routes the active one's
+            }
             if !self.host_links.links.contains_key(dev) {
                 continue; // CNI has not made it yet; retried when it appears
             }
@@ -593,8 +629,10 @@ impl Manager for EndpointsManager {
                         return;
                     }
                     self.index(id, o, false);
+                    self.interface_changed(o.name.as_str());
                 }
                 self.index(id, ep, true);
+                self.interface_changed(ep.name.as_str());
                 self.dirty.workloads.insert(id.clone());
                 self.dirty.routes = true;
                 // A new or renamed interface changes the dispatch chains.
@@ -603,6 +641,7 @@ impl Manager for EndpointsManager {
             Update::Remove(Key::WorkloadEndpoint(id)) => {
                 if let Some(o) = self.endpoints.remove(id) {
                     self.index(id, &o, false);
+                    self.interface_changed(o.name.as_str());
                     self.dirty.workloads.insert(id.clone());
                     self.dirty.routes = true;
                     self.dirty.dispatch = true;

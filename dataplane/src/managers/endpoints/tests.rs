@@ -1028,3 +1028,59 @@ fn dispatch_kept_from_the_last_render_is_what_a_fresh_render_gives() {
         assert_dispatched(&kept, n);
     }
 }
+
+/// Two workloads on one interface (a make-before-break, or a feeder's
+/// mistake): the lower id is served, the other shadowed, as in Felix; either
+/// going leaves the other's chains in place.
+#[test]
+fn two_workloads_on_one_interface_the_lower_id_is_served() {
+    let on = |workload: &str, profile: &str| {
+        let Update::WorkloadEndpoint(mut wid, ep) =
+            wep("cali1", vec![], &[profile], EndpointState::Active)
+        else {
+            unreachable!()
+        };
+        wid.workload = id(workload);
+        (wid.clone(), Update::WorkloadEndpoint(wid, ep))
+    };
+    let (a, add_a) = on("ns/a", "kns.a");
+    let (b, add_b) = on("ns/b", "kns.b");
+    let served = |c: &Chains| -> String {
+        let tw = &c["dph-tw-cali1"];
+        tw.iter()
+            .find(|r| r.contains("dph-pri-"))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut m = mgr();
+    for p in ["kns.a", "kns.b", "kns.b2"] {
+        m.on_update(&Update::Profile(id(p), Profile::default()));
+    }
+    let mut k = kernel(IpVersion::V4);
+    // b first, then a (lower) takes over.
+    m.on_update(&add_b);
+    assert_eq!(served(&run(&mut m, &mut k, "filter")), "-j dph-pri-kns.b");
+    m.on_update(&add_a);
+    assert_eq!(served(&run(&mut m, &mut k, "filter")), "-j dph-pri-kns.a");
+    // An update of the shadowed one changes nothing served.
+    let (_, add_b2) = on("ns/b", "kns.b2");
+    m.on_update(&add_b2);
+    assert_eq!(served(&run(&mut m, &mut k, "filter")), "-j dph-pri-kns.a");
+    // The shadowed one goes: a's chains stay.
+    m.on_update(&Update::Remove(Key::WorkloadEndpoint(b.clone())));
+    let c = run(&mut m, &mut k, "filter");
+    assert_eq!(served(&c), "-j dph-pri-kns.a");
+    assert!(c.contains_key("dph-fw-cali1"));
+    // b again, then a goes: b is served (its chains, not none).
+    m.on_update(&add_b);
+    run(&mut m, &mut k, "filter");
+    m.on_update(&Update::Remove(Key::WorkloadEndpoint(a)));
+    let c = run(&mut m, &mut k, "filter");
+    assert_eq!(served(&c), "-j dph-pri-kns.b");
+    assert!(c.contains_key("dph-fw-cali1"));
+    // Both gone: the chains go too.
+    m.on_update(&Update::Remove(Key::WorkloadEndpoint(b)));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(!c.contains_key("dph-tw-cali1") && !c.contains_key("dph-fw-cali1"));
+    assert!(table(&k, "filter").chain("dph-tw-cali1").is_none());
+}
