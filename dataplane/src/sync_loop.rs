@@ -196,6 +196,12 @@ impl ApplyTimes {
     }
 }
 
+/// Whether the loop accepts a ConfigUpdate's keys: else the field and why
+/// (what the loop's rejection says).
+pub fn check_config(kv: &[(String, String)]) -> Result<(), (String, String)> {
+    config::ConfigState::check(kv)
+}
+
 /// [`LoopConfig::max_objects_per_kind`] unless set: 25 times the policy
 /// benchmark's 10,000 endpoints.
 pub const DEFAULT_MAX_OBJECTS_PER_KIND: u64 = 250_000;
