@@ -325,7 +325,7 @@ async fn main() -> Result<()> {
                 .into_inner();
             lat_row.sort_by(f64::total_cmp);
             println!(
-                "| {:.0} | {:.1} | {} | {} | {} | {:.1} / {:.1} / {:.1} | {} | {} | {} ({}) |",
+                "| {:.1} | {:.1} | {} | {} | {} | {:.1} / {:.1} / {:.1} | {} | {} | {} ({}) |",
                 f64::from(rows) * a.report_seconds / 60.0,
                 s.0,
                 s.1,

@@ -393,8 +393,22 @@ impl EndpointsManager {
             &clear(if active { all & !m.accept } else { all }),
         ])?];
         fwd.push(on_mark(&[], &clear(m.accept), &fhf)?);
+        // A workload's chains end in its accept mark or a drop; one that
+        // returns without the mark (emptied by hand or by another agent)
+        // is a drop here, not the accept of the other direction's mark:
+        // fail closed until the refresh puts it back.
         fwd.push(rule(&["-i", &wl, "-j", &from])?);
+        fwd.push(on_mark(&["-i", &wl], &clear(m.accept), "DROP")?);
+        fwd.push(rule(&[
+            "-o",
+            &wl,
+            "-j",
+            "MARK",
+            "--set-xmark",
+            &clear(m.accept),
+        ])?);
         fwd.push(rule(&["-o", &wl, "-j", &to])?);
+        fwd.push(on_mark(&["-o", &wl], &clear(m.accept), "DROP")?);
         fwd.push(rule(&["-j", &thf])?);
         fwd.push(on_mark(&[], &mark(m.accept), "ACCEPT")?);
         chains.insert(self.p("FORWARD"), fwd);

@@ -216,7 +216,10 @@ fn workload_chains_tiers_profiles_and_dispatch() {
             "-j MARK --set-xmark 0/0x1b0000",
             "-m mark --mark 0/0x10000 -j dph-from-hep-forward",
             "-i cali+ -j dph-from-wl-dispatch",
+            "-i cali+ -m mark --mark 0/0x10000 -j DROP",
+            "-o cali+ -j MARK --set-xmark 0/0x10000",
             "-o cali+ -j dph-to-wl-dispatch",
+            "-o cali+ -m mark --mark 0/0x10000 -j DROP",
             "-j dph-to-hep-forward",
             "-m mark --mark 0x10000/0x10000 -j ACCEPT",
         ]
