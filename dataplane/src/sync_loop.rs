@@ -586,7 +586,10 @@ impl SyncLoop {
 
     /// Whether every manager accepts `update`; if not, it is rejected.
     fn accepted(&mut self, session: SessionId, seq: u64, update: &Update) -> bool {
-        if let Some(key) = update.upsert_key()
+        // No kind can be at its limit while all of them together are below
+        // it: the key (a copy of the message's id) is only built then.
+        if self.store.len() as u64 >= self.cfg.max_objects_per_kind
+            && let Some(key) = update.upsert_key()
             && key.sweepable()
             && !self.store.contains(&key)
         {

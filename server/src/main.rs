@@ -127,11 +127,11 @@ struct ServeArgs {
     /// Messages per second each peer may send over its ToDataplane
     /// streams together; a peer over it is slowed down (its stream waits),
     /// nothing is dropped.
-    #[arg(long, env = "DPH_MESSAGE_RATE_PER_SECOND", default_value_t = 20000.0)]
+    #[arg(long, env = "DPH_MESSAGE_RATE_PER_SECOND", default_value_t = 100_000.0)]
     message_rate_per_second: f64,
     /// Messages a peer may send in a burst (a snapshot) before the message
     /// rate applies.
-    #[arg(long, env = "DPH_MESSAGE_BURST", default_value_t = 500_000)]
+    #[arg(long, env = "DPH_MESSAGE_BURST", default_value_t = 2_000_000)]
     message_burst: u32,
     /// Most objects of one kind held at once (workload endpoints, policies,
     /// IP sets, routes, …): a message that would add one more is rejected.
