@@ -448,18 +448,20 @@ fn opt_mac(s: &str, field: &str) -> Valid<Option<MacAddr>> {
 /// family's routes.
 fn v4(a: Option<std::net::IpAddr>) -> Valid<Option<std::net::IpAddr>> {
     match a {
-        Some(ip @ std::net::IpAddr::V6(_)) => {
-            Err(ValidationError::new("", format!("{ip} is not IPv4")))
-        }
+        Some(ip @ std::net::IpAddr::V6(_)) => Err(ValidationError::new(
+            "",
+            format!("{ip} is not an IPv4 address"),
+        )),
         a => Ok(a),
     }
 }
 
 fn v6(a: Option<std::net::IpAddr>) -> Valid<Option<std::net::IpAddr>> {
     match a {
-        Some(ip @ std::net::IpAddr::V4(_)) => {
-            Err(ValidationError::new("", format!("{ip} is not IPv6")))
-        }
+        Some(ip @ std::net::IpAddr::V4(_)) => Err(ValidationError::new(
+            "",
+            format!("{ip} is not an IPv6 address"),
+        )),
         a => Ok(a),
     }
 }
