@@ -687,3 +687,86 @@ async fn an_emptied_ip_set_is_refilled() -> Result<()> {
     assert!(seen.denied_through.is_empty(), "{seen:?}");
     Ok(())
 }
+
+/// Two feeders at once: their messages go onto one shared state in the
+/// order they arrive; what both sent is programmed, and the second's
+/// `InSync` removes what the first created before the second began and
+/// did not send again (see the README, "Sessions and several feeders").
+#[tokio::test]
+async fn two_feeders_at_once_share_one_state() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    let socket = dir.path().join("dp.sock");
+    let l = lab("ftwo")?;
+    let d = Daemon::start(&l.host, &socket, &["--ipv6", "false"])?;
+    let mut c = d.connect().await?;
+    // Feeder A: the snapshot, and a set only it sends.
+    let set = |id: &str, ip: &str| {
+        Payload::IpsetUpdate(felix::IpSetUpdate {
+            id: id.into(),
+            members: vec![ip.into()],
+            r#type: felix::ip_set_update::IpSetType::Ip as i32,
+        })
+    };
+    let mut a = Feed::open(&mut c).await?;
+    a.send(set("s:only-a", "10.1.0.1"))?;
+    for m in yaml_msgs(1, &snapshot()) {
+        a.send(m.payload.context("a payload")?)?;
+    }
+    let a_last = a.send(set("s:a-late", "10.1.0.2"))?;
+    a.until(a_last, Duration::from_secs(10)).await?;
+    let traffic = Traffic::start(&l.w1)?;
+    // Feeder B, while A's stream stays open: deltas to A's set, its own
+    // set, and then its own snapshot's end.
+    let mut b = Feed::open(&mut c).await?;
+    let st = status(&mut c).await?;
+    assert_eq!(st.feeders, 2, "{st:?}");
+    b.send(set("s:only-b", "10.2.0.1"))?;
+    b.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
+        id: "s:a-late".into(),
+        added_members: vec!["10.2.0.2".into()],
+        removed_members: vec![],
+    }))?;
+    let mut b_in_sync = 0;
+    for m in yaml_msgs(1, &snapshot()) {
+        b_in_sync = b.send(m.payload.context("a payload")?)?;
+    }
+    // Two streams' messages interleave in the order the server reads
+    // them, not the order they were sent: B's snapshot is waited for
+    // before A writes again (last writer wins per object).
+    b.until(b_in_sync, Duration::from_secs(10)).await?;
+    let a2 = a.send(set("s:a-late", "10.1.0.3"))?;
+    a.until(a2, Duration::from_secs(10)).await?;
+    let b_last = b.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
+        id: "s:only-b".into(),
+        added_members: vec!["10.2.0.3".into()],
+        removed_members: vec![],
+    }))?;
+    b.until(b_last, Duration::from_secs(10)).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let st = status(&mut c).await?;
+    let seen = traffic.stop();
+    // s:only-a and s:a-late were last written by A before B began, and
+    // B's InSync swept them (B's delta to s:a-late is no write of the
+    // whole set); A's write after it made s:a-late again, as A wrote it.
+    assert_eq!(st.objects.get("ipset"), Some(&2), "{:?}", st.objects);
+    if !nftables() {
+        let sets = dphandler_tests::ipsets(&l.host)?;
+        assert!(!sets.contains_key("dph40s:only-a"), "{:?}", sets.keys());
+        let late: Vec<&String> = sets["dph40s:a-late"].members.iter().collect();
+        assert_eq!(late, ["10.1.0.3"], "A wrote last");
+        assert_eq!(sets["dph40s:only-b"].members.len(), 2);
+    }
+    eprintln!(
+        "faults: two feeders at once: both programmed onto one state (last writer wins, the second's InSync swept the first's older set); UDP flow {} sent, {} lost; denied port {} tries, {} through",
+        seen.udp_sent,
+        seen.udp_lost,
+        seen.denied_tries,
+        seen.denied_through.len()
+    );
+    assert_eq!(seen.udp_lost, 0, "{seen:?}");
+    assert!(seen.denied_through.is_empty(), "{seen:?}");
+    Ok(())
+}
