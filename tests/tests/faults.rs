@@ -81,6 +81,18 @@ struct Seen {
     denied_through: Vec<Duration>,
 }
 
+impl Seen {
+    fn summary(&self) -> String {
+        format!(
+            "UDP flow {} sent, {} lost; denied port {} tries, {} through",
+            self.udp_sent,
+            self.udp_lost,
+            self.denied_tries,
+            self.denied_through.len()
+        )
+    }
+}
+
 /// The traffic loop, running until [`Traffic::stop`].
 struct Traffic {
     stop: Arc<AtomicBool>,
@@ -331,12 +343,9 @@ async fn sigkill_mid_apply_and_restart_lose_nothing() -> Result<()> {
     let left = big_chains(&l.host)?;
     assert_eq!(left, 0, "chains of the killed apply left in the kernel");
     eprintln!(
-        "faults: SIGKILL mid-apply ({last} messages sent; killed {killed_after:?} after, with {at_kill} of its {} endpoint chains in the kernel), down {down_for:?}, restart to in sync {repaired:?}; UDP flow {} sent, {} lost; denied port {} tries, {} through",
+        "faults: SIGKILL mid-apply ({last} messages sent; killed {killed_after:?} after, with {at_kill} of its {} endpoint chains in the kernel), down {down_for:?}, restart to in sync {repaired:?}; {}",
         2 * BIG_ENDPOINTS,
-        seen.udp_sent,
-        seen.udp_lost,
-        seen.denied_tries,
-        seen.denied_through.len()
+        seen.summary()
     );
     assert_eq!(seen.udp_lost, 0, "{seen:?}");
     assert!(seen.denied_through.is_empty(), "{seen:?}");
@@ -564,11 +573,8 @@ async fn a_flushed_chain_is_repaired_and_nothing_denied_gets_in() -> Result<()> 
     tokio::time::sleep(Duration::from_millis(300)).await;
     let seen = traffic.stop();
     eprintln!(
-        "faults: our endpoint chain flushed by hand: repaired after {repaired:?} (--iptables-refresh-seconds 1); UDP flow {} sent ({during} while flushed), {} lost; denied port {} tries, {} through",
-        seen.udp_sent,
-        seen.udp_lost,
-        seen.denied_tries,
-        seen.denied_through.len()
+        "faults: our endpoint chain flushed by hand: repaired after {repaired:?} (--iptables-refresh-seconds 1); {during} datagrams sent while flushed; {}",
+        seen.summary()
     );
     assert!(seen.denied_through.is_empty(), "{seen:?}");
     Ok(())
@@ -615,11 +621,8 @@ async fn a_deleted_route_is_repaired() -> Result<()> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let seen = traffic.stop();
     eprintln!(
-        "faults: the route to a workload deleted by hand: repaired after {repaired:?} (--route-refresh-seconds 1); UDP flow {} sent, {} lost; denied port {} tries, {} through",
-        seen.udp_sent,
-        seen.udp_lost,
-        seen.denied_tries,
-        seen.denied_through.len()
+        "faults: the route to a workload deleted by hand: repaired after {repaired:?} (--route-refresh-seconds 1); {}",
+        seen.summary()
     );
     assert!(repaired < Duration::from_secs(5), "{repaired:?}");
     assert!(seen.denied_through.is_empty(), "{seen:?}");
@@ -677,11 +680,8 @@ async fn an_emptied_ip_set_is_refilled() -> Result<()> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let seen = traffic.stop();
     eprintln!(
-        "faults: our IP set emptied by hand: refilled after {repaired:?} (--ipset-refresh-seconds 1); what it allowed was refused meanwhile: {refused_meanwhile}; UDP flow {} sent, {} lost; denied port {} tries, {} through",
-        seen.udp_sent,
-        seen.udp_lost,
-        seen.denied_tries,
-        seen.denied_through.len()
+        "faults: our IP set emptied by hand: refilled after {repaired:?} (--ipset-refresh-seconds 1); what it allowed was refused meanwhile: {refused_meanwhile}; {}",
+        seen.summary()
     );
     assert_eq!(seen.udp_lost, 0, "{seen:?}");
     assert!(seen.denied_through.is_empty(), "{seen:?}");
@@ -760,11 +760,8 @@ async fn two_feeders_at_once_share_one_state() -> Result<()> {
         assert_eq!(sets["dph40s:only-b"].members.len(), 2);
     }
     eprintln!(
-        "faults: two feeders at once: both programmed onto one state (last writer wins, the second's InSync swept the first's older set); UDP flow {} sent, {} lost; denied port {} tries, {} through",
-        seen.udp_sent,
-        seen.udp_lost,
-        seen.denied_tries,
-        seen.denied_through.len()
+        "faults: two feeders at once: both programmed onto one state (last writer wins, the second's InSync swept the first's older set); {}",
+        seen.summary()
     );
     assert_eq!(seen.udp_lost, 0, "{seen:?}");
     assert!(seen.denied_through.is_empty(), "{seen:?}");
