@@ -11,6 +11,15 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
+# bpftool (the XDP fault test detaches our link as an operator would):
+# Debian's package; Ubuntu ships it in linux-tools.
+if ! command -v bpftool >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends bpftool \
+    || apt-get install -y -qq --no-install-recommends linux-tools-common linux-tools-generic \
+    || echo "bpftool could not be installed: the XDP fault test will fail" >&2
+fi
 if ! command -v cargo >/dev/null 2>&1; then
   echo "cargo is missing: install a Rust toolchain (1.95 or newer, e.g. with rustup) and run this again" >&2
   exit 1

@@ -46,6 +46,7 @@ pub fn start(
     let (resync_tx, resync_rx) = mpsc::channel(1);
     let (ev_tx, _) = broadcast::channel(EVENTS_CAPACITY);
     let (st_tx, st_rx) = watch::channel(Status::default());
+    tokio::spawn(netlink::run_route_deletions(if_tx.clone()));
     tokio::spawn(netlink::run(if_tx, resync_rx));
     let alive = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
         dphandler_dataplane::sync_loop::alive_now(),

@@ -114,25 +114,120 @@ pub fn spelled<'a>(iptables: &'a str, nft: &'a str) -> &'a str {
 }
 
 /// What our set `name` holds, as the kernel lists it (`ipset list`, or
-/// `nft list set` in whichever of our tables holds it); "" when it is
-/// nowhere.
+/// the set's block of `nft list table` in whichever of our tables holds
+/// it: `nft list set` cannot name a set with a colon, as ours have); ""
+/// when it is nowhere.
 pub fn our_set(ns: &Netns, v6: bool, name: &str) -> Result<String> {
     if !nftables() {
         let out = ns.run("ipset", &["list", name])?;
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
-    let mut tables = Vec::new();
-    for t in TABLES {
-        tables.extend(nft_tables(ns, v6, t)?);
-    }
-    for t in tables {
-        let out = ns
-            .command("nft")
-            .args(["list", "set", family(v6), &t, name])
-            .output()?;
-        if out.status.success() {
-            return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    Ok(nft_sets(ns, v6, name)?
+        .into_iter()
+        .next()
+        .map(|(_, block)| block)
+        .unwrap_or_default())
+}
+
+/// The nftables daemon's name of the set that the iptables one names
+/// `name` (`dph40<id>`): an id nft's identifiers do not take (`s:…`) is
+/// named by its hash there.
+fn nft_set_name(name: &str) -> Result<String> {
+    use dphandler_dataplane::model::ipsets::SetNames;
+    use dphandler_dataplane::model::{Id, IpVersion};
+    let (v, id) = match (name.strip_prefix("dph40"), name.strip_prefix("dph60")) {
+        (Some(id), _) => (IpVersion::V4, id),
+        (_, Some(id)) => (IpVersion::V6, id),
+        _ => return Ok(name.to_string()),
+    };
+    let names = SetNames::new("dph").map_err(|e| anyhow::anyhow!("{e}"))?;
+    let id = Id::new(id).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(names.for_nftables().name(v, &id))
+}
+
+/// Each of our nftables tables that holds set `name` (its iptables
+/// name), with the set's block of its listing.
+fn nft_sets(ns: &Netns, v6: bool, name: &str) -> Result<Vec<(String, String)>> {
+    let head = format!("\tset {} {{", nft_set_name(name)?);
+    let mut found = Vec::new();
+    for table in TABLES {
+        for t in nft_tables(ns, v6, table)? {
+            let out = ns
+                .command("nft")
+                .args(["list", "table", family(v6), &t])
+                .output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            if let Some(at) = text.find(&head) {
+                let block = &text[at..];
+                let end = block.find("\n\t}").map_or(block.len(), |e| e + 3);
+                found.push((t, block[..end].to_string()));
+            }
         }
     }
-    Ok(String::new())
+    Ok(found)
+}
+
+/// Flushes our chain `chain` of `table` by hand, as an operator could:
+/// `iptables -F`, or `nft flush chain` in the table that holds it.
+pub fn flush_our_chain(ns: &Netns, v6: bool, table: &str, chain: &str) -> Result<()> {
+    if !nftables() {
+        let tool = if v6 { "ip6tables" } else { "iptables" };
+        ns.run(tool, &["-t", table, "-F", chain])?;
+        return Ok(());
+    }
+    for t in nft_tables(ns, v6, table)? {
+        let held = ns
+            .command("nft")
+            .args(["list", "chain", family(v6), &t, chain])
+            .output()?
+            .status
+            .success();
+        if held {
+            ns.run("nft", &["flush", "chain", family(v6), &t, chain])?;
+            return Ok(());
+        }
+    }
+    anyhow::bail!("no chain {chain} in our {table} tables")
+}
+
+/// Empties our set `name` (its iptables name) by hand: `ipset flush`, or
+/// `nft flush set` of every copy in our nftables tables.
+pub fn flush_our_set(ns: &Netns, v6: bool, name: &str) -> Result<()> {
+    if !nftables() {
+        ns.run("ipset", &["flush", name])?;
+        return Ok(());
+    }
+    let held = nft_sets(ns, v6, name)?;
+    anyhow::ensure!(
+        !held.is_empty(),
+        "no set {name} in our tables: {}",
+        String::from_utf8_lossy(&ns.run("nft", &["list", "ruleset"])?.stdout)
+    );
+    let name = nft_set_name(name)?;
+    for (t, _) in held {
+        ns.run("nft", &["flush", "set", family(v6), &t, &name])?;
+    }
+    Ok(())
+}
+
+/// `text` with nft's counter values taken out (`counter packets 3 bytes
+/// 180` → `counter`), to compare a listing while traffic flows.
+pub fn without_counters(text: &str) -> String {
+    text.lines()
+        .map(|line| {
+            let mut out = Vec::new();
+            let mut words = line.split(' ').peekable();
+            while let Some(w) = words.next() {
+                out.push(w);
+                if w.trim_start() == "counter" && words.peek() == Some(&"packets") {
+                    // packets N bytes M
+                    for _ in 0..4 {
+                        words.next();
+                    }
+                }
+            }
+            out.join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }

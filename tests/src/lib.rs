@@ -19,6 +19,7 @@ pub mod cluster;
 pub mod kernel;
 pub mod lab;
 pub mod tls;
+pub mod traffic;
 
 use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::{self, to_dataplane::Payload};

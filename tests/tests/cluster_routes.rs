@@ -422,3 +422,82 @@ async fn same_subnet_nodes_route_pods_without_encapsulation() -> Result<()> {
     drop(daemons);
     Ok(())
 }
+
+/// `vxlan.calico` deleted by hand on node 1 while a UDP flow from pod A to
+/// pod B crosses it and a port B's policy denies is probed: its link
+/// event (not the 90 s refresh tick) makes the device again with its
+/// address, routes, neighbour and FDB entry; the datagrams lost until then, and the time, are
+/// measured (`faults:`); nothing denied gets through.
+#[tokio::test]
+async fn a_deleted_vxlan_device_is_made_again_while_traffic_flows() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    use dphandler_tests::traffic::{Target, Traffic};
+    let dir = tempdir()?;
+    let nodes = cluster("fvx")?;
+    // B's extra server on the denied port.
+    let _denied = dphandler_tests::lab::serve(&nodes[1].pod.0, &[81], &[]);
+    let encap = "vxlanEnabled: true";
+    let policy = "inboundRules: [{action: allow, protocol: {name: udp}}, {action: allow, protocol: {name: icmp}}, {action: allow, protocol: {name: tcp}, dstPorts: [{first: 80, last: 80}]}]";
+    let mut daemons = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let yaml = feed(i, VXLAN, encap).replace("inboundRules: [{action: allow}]", policy);
+        daemons.push(start(n, i, dir.path(), &yaml).await?);
+    }
+    let traffic = Traffic::start(
+        &nodes[0].pod,
+        Target {
+            src: None,
+            ip: PODS[1].parse()?,
+            udp: 53,
+            denied_tcp: Some(81),
+        },
+    )?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let n1 = &nodes[0].ns;
+    let state = || -> Result<(String, String, String)> {
+        Ok((
+            // (Without the link's index: a new device has a new one.)
+            stdout(n1, "ip", &["-4", "addr", "show", "dev", "vxlan.calico"])
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("inet "))
+                .collect(),
+            stdout(n1, "ip", &["route", "show", BLOCKS[1]])?,
+            stdout(n1, "ip", &["neigh", "show", VTEP_IPS[1]])?,
+        ))
+    };
+    let before = state()?;
+    assert!(before.1.contains("dev vxlan.calico"), "{before:?}");
+    let t = std::time::Instant::now();
+    n1.run("ip", &["link", "del", "vxlan.calico"])?;
+    let repaired = loop {
+        if state()? == before {
+            break t.elapsed();
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("not made again in 30 s: {:?}", state()?);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let seen = traffic.stop();
+    let fdb = stdout(n1, "bridge", &["fdb", "show", "dev", "vxlan.calico"])?;
+    eprintln!(
+        "faults: vxlan.calico deleted by hand: made again with its address, route and neighbour after {repaired:?} (at its link event, not the refresh tick); {}",
+        seen.summary()
+    );
+    assert!(
+        fdb.contains(&format!("{} dst {}", VTEP_MACS[1], UNDERLAY[1])),
+        "{fdb}"
+    );
+    assert!(repaired < Duration::from_secs(2), "{repaired:?}");
+    assert!(seen.denied_through.is_empty(), "{seen:?}");
+    assert!(
+        seen.udp_lost < seen.udp_sent / 2,
+        "the flow came back: {seen:?}"
+    );
+    drop(daemons);
+    Ok(())
+}

@@ -481,6 +481,67 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     assert_eq!(wg.trim(), keys[1][0]);
     eprintln!("node 2's wireguard-go replaced in {:?}", died.elapsed());
 
+    // Node 1's WireGuard device deleted by hand while a UDP flow from A
+    // to B crosses it: the daemon makes it again (a new wireguard-go, the
+    // same key); the datagrams lost, the time, and any pod packet on the
+    // underlay in clear meanwhile (it must never fall back to VXLAN or
+    // plain routing) are measured.
+    let flow = dphandler_tests::traffic::Traffic::start(
+        &nodes[0].pod,
+        dphandler_tests::traffic::Target {
+            src: None,
+            ip: PODS[1].parse()?,
+            udp: 53,
+            denied_tcp: None,
+        },
+    )?;
+    let clear = Capture::start(&nodes[1].ns, "ip and not udp port 51820 and not icmp")?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid_was = std::fs::read_to_string(pid_file(0, &ifaces[0]))?;
+    let t1 = stdout(
+        &nodes[0].ns,
+        "ip",
+        &["route", "show", "table", "1", BLOCKS[1]],
+    )?;
+    assert!(
+        t1.contains(&format!("blackhole {} metric 4096", BLOCKS[1])),
+        "the fail-closed route behind the device's: {t1}"
+    );
+    let t = Instant::now();
+    nodes[0].ns.run("ip", &["link", "del", &ifaces[0]])?;
+    let remade = loop {
+        let pid = std::fs::read_to_string(pid_file(0, &ifaces[0])).unwrap_or_default();
+        let peers = stdout(&nodes[0].ns, "wg", &["show", &ifaces[0], "peers"]).unwrap_or_default();
+        let route = stdout(
+            &nodes[0].ns,
+            "ip",
+            &["route", "show", "table", "all", BLOCKS[1]],
+        )?;
+        if pid != pid_was
+            && peers.contains(&keys[1][0])
+            && route.contains(&format!("dev {}", ifaces[0]))
+        {
+            break t.elapsed();
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!("node 1's WireGuard device not made again: {route}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let seen = flow.stop();
+    let clear = clear.finish();
+    eprintln!(
+        "faults: node 1's WireGuard device deleted by hand: made again with its peer and routes after {remade:?}; {}; pod packets in clear on the underlay meanwhile: {}",
+        seen.summary(),
+        clear.len()
+    );
+    assert!(clear.is_empty(), "in clear on the underlay: {clear:?}");
+    assert!(
+        seen.udp_lost < seen.udp_sent / 2,
+        "the flow came back: {seen:?}"
+    );
+
     // A third node claiming node 2's key: neither is programmed (status
     // says why).
     let c1 = || async { daemons[0].as_ref().expect("running").connect().await };

@@ -554,12 +554,7 @@ async fn hostile_messages_are_rejected_by_field_and_nothing_reaches_the_kernel()
     let delta = parse(r#"{"ipsetDeltaUpdate":{"id":"s:canary","addedMembers":["10.9.0.2"]}}"#)?;
     let (rejected, _) = push(&mut client, vec![msg(1, delta)]).await?;
     assert!(rejected.is_empty(), "{rejected:?}");
-    let set = if dphandler_tests::kernel::nftables() {
-        // The set's name in our tables.
-        our_rules(&ns, false, "filter")?
-    } else {
-        our_set(&ns, false, "dph40s:canary")?
-    };
+    let set = our_set(&ns, false, "dph40s:canary")?;
     assert!(set.contains("10.9.0.2"), "{set}");
     Ok(())
 }

@@ -46,6 +46,18 @@ fn ping(from: &Netns, src: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// The listed source (10.89.0.2) pings the host 100 times a second for
+/// `secs` (a deadline: with no reply, a count would have ping linger 10 s
+/// more); its summary on stdout.
+fn flood(client: &Netns, secs: u32) -> Result<std::process::Child> {
+    Ok(client
+        .command("ping")
+        .args(["-q", "-i", "0.01", "-w", &secs.to_string()])
+        .args(["-I", "10.89.0.2", "10.89.0.1"])
+        .stdout(Stdio::piped())
+        .spawn()?)
+}
+
 fn stdout(ns: &Netns, prog: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&ns.run(prog, args)?.stdout).into_owned())
 }
@@ -160,20 +172,7 @@ async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<
     assert!(ok, "failsafe port from a listed source");
 
     // A restart: a flood from the member across it is dropped throughout.
-    let flood = client
-        .command("ping")
-        .args([
-            "-q",
-            "-i",
-            "0.01",
-            "-c",
-            "200",
-            "-I",
-            "10.89.0.2",
-            "10.89.0.1",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()?;
+    let flood = flood(&client, 2)?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     d.stop()?;
     let d = daemon(&host, &dir.path().join("d2.sock"), &fs, SNAPSHOT).await?;
@@ -261,5 +260,89 @@ async fn an_all_interfaces_host_endpoint_gets_xdp_on_every_interface_but_lo() ->
     d.stop()?;
     // The pins outlive the daemon; a test leaves nothing behind.
     Filter::remove(&fs.path(), "eth0")?;
+    Ok(())
+}
+
+/// Our XDP link detached by hand (`bpftool link detach`, as an operator
+/// or another agent could) while the listed source floods and an allowed
+/// UDP flow runs: the raw table drops the listed source meanwhile (never
+/// let through), and the XDP refresh attaches anew; how long that took is
+/// measured (`faults:`).
+#[tokio::test]
+async fn a_detached_xdp_program_is_attached_again_and_the_raw_table_drops_meanwhile() -> Result<()>
+{
+    if !privileged() {
+        return Ok(());
+    }
+    use dphandler_tests::traffic::{Target, Traffic};
+    let fs = Bpffs::new()?;
+    let dir = tempdir()?;
+    let (host, client) = lab()?;
+    let b = fs.path().display().to_string();
+    let d = Daemon::start(
+        &host,
+        &dir.path().join("d.sock"),
+        &[
+            "--hostname",
+            "n1",
+            "--bpffs",
+            b.as_str(),
+            "--xdp-refresh-seconds",
+            "1",
+        ],
+    )?;
+    let (rej, _) = push(&mut d.connect().await?, yaml_msgs(1, SNAPSHOT)).await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    let _servers = dphandler_tests::lab::serve(&host.0, &[], &[53]);
+    let traffic = Traffic::start(
+        &client,
+        Target {
+            src: Some("10.89.0.3".parse()?),
+            ip: "10.89.0.1".parse()?,
+            udp: 53,
+            denied_tcp: None,
+        },
+    )?;
+    // The listed source, 100 pings a second for 3 s.
+    let flood = flood(&client, 3)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let attached = || -> Result<bool> {
+        Ok(stdout(&host, "ip", &["-d", "link", "show", "eth0"])?.contains("prog/xdp"))
+    };
+    assert!(attached()?);
+    let raw_before = raw_drops(&host)?;
+    let link = fs.path().join("dphandler/xdp/eth0/link");
+    let t = std::time::Instant::now();
+    host.run(
+        "bpftool",
+        &["link", "detach", "pinned", &link.display().to_string()],
+    )?;
+    assert!(!attached()?, "detached");
+    let repaired = loop {
+        if attached()? {
+            break t.elapsed();
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            anyhow::bail!("not attached again in 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let raw_meanwhile = raw_drops(&host)? - raw_before;
+    let summary = String::from_utf8_lossy(&flood.wait_with_output()?.stdout).into_owned();
+    let seen = traffic.stop();
+    let x = details(&d).await?["xdp.eth0"].clone();
+    eprintln!(
+        "faults: our XDP link detached by hand (bpftool): attached again after {repaired:?} (--xdp-refresh-seconds 1), the raw table dropped {raw_meanwhile} of the listed source's packets meanwhile; the listed source's flood: {}; allowed {}; status: {x}",
+        summary
+            .lines()
+            .find(|l| l.contains("packet loss"))
+            .unwrap_or(&summary),
+        seen.summary()
+    );
+    assert!(summary.contains("100% packet loss"), "{summary}");
+    assert!(raw_meanwhile > 0, "the raw table carried on");
+    assert_eq!(seen.udp_lost, 0, "{seen:?}");
+    assert!(repaired < Duration::from_secs(5), "{repaired:?}");
+    assert!(x.starts_with("driver"), "{x}");
     Ok(())
 }

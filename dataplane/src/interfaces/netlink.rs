@@ -92,6 +92,48 @@ async fn run_once(
     result
 }
 
+/// Watch route deletions until `events` closes (a socket of its own; a
+/// route added is ignored, ours included). An event lost to a full socket
+/// buffer costs nothing worse than the route refresh tick: the watcher
+/// reconnects.
+pub async fn run_route_deletions(events: mpsc::Sender<InterfaceEvent>) {
+    loop {
+        match watch_routes(&events).await {
+            Ok(()) => return,
+            Err(e) => {
+                warn!(error = %e, "route watcher failed; reconnecting in 1s (the route refresh covers what it missed)");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+async fn watch_routes(events: &mpsc::Sender<InterfaceEvent>) -> Result<(), MonitorError> {
+    let (conn, _handle, mut messages) =
+        new_multicast_connection(&[MulticastGroup::Ipv4Route, MulticastGroup::Ipv6Route])
+            .map_err(MonitorError::Socket)?;
+    let conn_task = tokio::spawn(conn);
+    let result = async {
+        while let Some((msg, _)) = messages.next().await {
+            if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelRoute(r)) = msg.payload
+                && let Some(k) = crate::backends::routes::netlink::from_message(&r)
+                && events
+                    .send(InterfaceEvent::RouteRemoved(k.key))
+                    .await
+                    .is_err()
+            {
+                return Ok(());
+            }
+        }
+        Err(MonitorError::Socket(std::io::Error::other(
+            "multicast socket closed",
+        )))
+    }
+    .await;
+    conn_task.abort();
+    result
+}
+
 /// Dump all links, then all addresses; returns the number of links.
 async fn dump(
     handle: &Handle,

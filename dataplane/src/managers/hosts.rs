@@ -85,7 +85,7 @@ impl HostLinks {
                     .get_mut(index)
                     .is_some_and(|a| a.remove(&addr.addr()));
             }
-            E::InSync => {}
+            E::InSync | E::RouteRemoved(_) => {}
         }
         c
     }

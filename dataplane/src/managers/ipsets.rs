@@ -429,7 +429,7 @@ impl Manager for IpSetsManager {
                     a.remove(&addr.addr());
                 }
             }
-            E::InSync => return,
+            E::InSync | E::RouteRemoved(_) => return,
         }
         let members = h.members();
         if members != h.members {

@@ -19,6 +19,10 @@ pub const RULE_PRIORITY: u32 = 99;
 /// Felix's first two indices of `RouteTableRanges` (1-250): v4 gets 1, v6 2.
 pub const TABLE_V4: u32 = 1;
 pub const TABLE_V6: u32 = 2;
+/// The metric of the blackhole behind each peer's route in the WireGuard
+/// table (the device's routes have 0, IPv6 1024): it takes over when the
+/// device's route is gone.
+pub const FAIL_CLOSED_METRIC: u32 = 4096;
 /// What the device's MTU leaves of the host's: the WireGuard header over
 /// IPv4 (60) or IPv6 (80) underlay.
 pub const OVERHEAD_V4: u32 = 60;

@@ -620,6 +620,8 @@ mod tests {
     #[derive(Debug)]
     struct Fake {
         commits: Arc<Mutex<Vec<usize>>>,
+        /// Commits still to refuse.
+        refuse: Arc<Mutex<u32>>,
         held: Arc<Mutex<(Observed, Contents)>>,
         go: Arc<Mutex<mpsc::Receiver<()>>>,
         detached: Arc<Mutex<u32>>,
@@ -627,6 +629,14 @@ mod tests {
 
     impl NftKernel for Fake {
         fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
+            let mut refuse = self.refuse.lock().unwrap();
+            if *refuse > 0 {
+                *refuse -= 1;
+                return Err(NftError::Refused {
+                    op: "a rule".into(),
+                    source: std::io::Error::from_raw_os_error(12),
+                });
+            }
             self.commits.lock().unwrap().push(ops.len());
             Ok(())
         }
@@ -665,6 +675,7 @@ mod tests {
         let held = Arc::new(Mutex::new((Observed::new(), Contents::new())));
         let fake = Fake {
             commits: Arc::clone(&commits),
+            refuse: Arc::default(),
             held: Arc::clone(&held),
             go: Arc::new(Mutex::new(rx)),
             detached: Arc::clone(&detached),
@@ -761,5 +772,46 @@ mod tests {
             d.apply(Phase::Tables).unwrap();
         }
         assert!(!d.reading(), "the last one was read in place");
+    }
+
+    /// A commit the kernel refuses (nothing of it applied) is an error
+    /// of the apply, which the loop retries; each retry reads the tables
+    /// back and plans from what is there, so the change lands whole once
+    /// the kernel takes it, and nothing is counted committed before.
+    #[test]
+    fn a_refused_commit_is_retried_from_a_fresh_read() {
+        let commits = Arc::new(Mutex::new(Vec::new()));
+        let refuse = Arc::new(Mutex::new(2));
+        let (_tx, rx) = mpsc::channel();
+        let fake = Fake {
+            commits: Arc::clone(&commits),
+            refuse: Arc::clone(&refuse),
+            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
+            go: Arc::new(Mutex::new(rx)),
+            detached: Arc::default(),
+        };
+        let mut d = Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            ShardLayout::default(),
+            Box::new(fake),
+        );
+        d.filter
+            .set_chain("dph-a", vec![Rule::parse("-j DROP").unwrap()])
+            .unwrap();
+        d.filter
+            .set_hooks("FORWARD", vec![Rule::parse("-j dph-a").unwrap()])
+            .unwrap();
+        for _ in 0..2 {
+            let e = d.apply(Phase::Tables).unwrap_err();
+            assert!(e.to_string().contains("refused a rule"), "{e}");
+            assert!(d.is_dirty(Phase::Tables), "still to do");
+            assert_eq!(d.commits(), 0);
+        }
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(d.commits(), 1);
+        assert_eq!(commits.lock().unwrap().len(), 1);
+        assert!(!d.is_dirty(Phase::Tables));
     }
 }

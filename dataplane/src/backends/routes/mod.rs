@@ -248,6 +248,18 @@ impl Routes {
         }
     }
 
+    /// A route was deleted (the route watcher): if it is one we hold,
+    /// forget it, so that the next apply writes it again (deleted by hand:
+    /// back in milliseconds rather than at the refresh tick). Our own
+    /// deletions are already forgotten; others' routes were never held.
+    pub fn route_removed(&mut self, key: RouteKey) {
+        if let Some(o) = &mut self.observed
+            && o.routes.remove(&key).is_some()
+        {
+            self.pending.insert(key);
+        }
+    }
+
     /// A link went away, and the kernel took its routes and neighbours
     /// with it: forget them, so that they are written again if the link
     /// comes back.

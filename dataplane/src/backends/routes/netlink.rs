@@ -55,7 +55,7 @@ fn ip_of(a: &RouteAddress) -> Option<IpAddr> {
 
 /// A dumped route in our terms; `None` for what we never own (multicast
 /// families, malformed prefixes).
-fn from_message(m: &RouteMessage) -> Option<KernelRoute> {
+pub fn from_message(m: &RouteMessage) -> Option<KernelRoute> {
     let h = &m.header;
     let mut dst = None;
     let mut table = u32::from(h.table);

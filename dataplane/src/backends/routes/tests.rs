@@ -503,6 +503,37 @@ fn a_removed_link_takes_its_routes_and_they_come_back_with_it() {
 }
 
 #[test]
+fn a_route_deleted_by_hand_is_written_again_at_its_event() {
+    let k = Fake::with_links(&[(3, "cali1")]);
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    r.set(
+        RouteSource::Workloads,
+        [(key("10.65.0.2/32"), dev_route("cali1"))].into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    k.take_writes();
+    // Someone else's route goes: nothing to do.
+    r.route_removed(key("198.18.0.0/24"));
+    assert!(!r.is_dirty(Phase::RoutesAndRules));
+    // Ours goes (`ip route del`): written again at the next apply.
+    k.0.lock().unwrap().routes.remove(&key("10.65.0.2/32"));
+    r.route_removed(key("10.65.0.2/32"));
+    assert!(r.is_dirty(Phase::RoutesAndRules));
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![replace("10.65.0.2/32", &dev_route("cali1"), Some(3))]
+    );
+    // The event of our own deletion finds nothing to do.
+    r.set(RouteSource::Workloads, BTreeMap::new(), BTreeSet::new());
+    r.apply(Phase::RoutesAndRules).unwrap();
+    k.take_writes();
+    r.route_removed(key("10.65.0.2/32"));
+    assert!(!r.is_dirty(Phase::RoutesAndRules));
+}
+
+#[test]
 fn a_new_index_for_a_name_rewrites_its_routes_even_unannounced() {
     // The removal event was missed (a monitor reconnect): the new index
     // alone tells us that what went through the old one is gone.

@@ -4,7 +4,8 @@
 //! created as Felix makes it (VNI, UDP port, MAC = this node's VTEP MAC,
 //! parent link and local address = the underlay interface and this node's
 //! address on it, MTU, the VTEP address as /32 or /128, up), checked on
-//! every apply and on the route refresh tick, and recreated when a
+//! every apply, on the route refresh tick and at a link event of its name
+//! (deleted by hand: made again at once), and recreated when a
 //! parameter the kernel cannot change in place differs (VNI, port, parent,
 //! local address, MAC: Felix's `vxlanLinksIncompat`); MTU, state and
 //! addresses are set in place. Other addresses of the device's family are
@@ -179,6 +180,16 @@ impl Vxlan {
     /// ours).
     pub fn desired(&self, name: &str) -> Option<&VxlanDevice> {
         self.desired.get(name).and_then(Option::as_ref)
+    }
+
+    /// A link event (the monitor's) for a name we own: a device that is
+    /// wanted is looked at again at once (deleted or changed by hand: made
+    /// again without waiting for the refresh tick). Our own writes bring
+    /// one more look that finds nothing to do.
+    pub fn link_changed(&mut self, name: &str) {
+        if self.desired.get(name).is_some_and(Option::is_some) {
+            self.changed = true;
+        }
     }
 
     /// Devices waiting for their parent interface, by name.

@@ -237,3 +237,27 @@ fn deletes_an_unwanted_device_and_waits_for_a_missing_parent() {
     );
     assert!(k.0.lock().unwrap().links.contains_key("eth0"));
 }
+
+#[test]
+fn a_device_deleted_by_hand_is_made_again_at_its_link_event() {
+    let k = Fake::with_parent();
+    let mut v = Vxlan::new(&["vxlan.calico", "vxlan-v6.calico"], Box::new(k.clone()));
+    v.set("vxlan.calico", Some(dev()));
+    v.apply(Phase::Links).unwrap();
+    k.take_writes();
+    // Someone deletes it; the monitor tells us.
+    k.0.lock().unwrap().links.remove("vxlan.calico");
+    v.link_changed("vxlan.calico");
+    assert!(v.is_dirty(Phase::Links));
+    v.apply(Phase::Links).unwrap();
+    let w = k.take_writes();
+    assert!(
+        matches!(w.first(), Some(VxlanOp::Create { .. })),
+        "made again: {w:?}"
+    );
+    // A link event for a name that is not wanted (v6 off), or not ours,
+    // asks for nothing.
+    v.link_changed("vxlan-v6.calico");
+    v.link_changed("eth0");
+    assert!(!v.is_dirty(Phase::Links));
+}

@@ -508,11 +508,13 @@ impl Manager for RoutesManager {
                     l.addrs.remove(addr);
                 }
             }
-            InterfaceEvent::InSync => {}
+            InterfaceEvent::InSync | InterfaceEvent::RouteRemoved(_) => {}
         }
         if matches!(
             event,
-            InterfaceEvent::Link { .. } | InterfaceEvent::LinkRemoved { .. }
+            InterfaceEvent::Link { .. }
+                | InterfaceEvent::LinkRemoved { .. }
+                | InterfaceEvent::RouteRemoved(_)
         ) {
             self.link_events.push(event.clone());
         }
@@ -528,11 +530,19 @@ impl Manager for RoutesManager {
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError> {
         if let Some(routes) = &mut kernel.routes {
             for e in self.link_events.drain(..) {
+                if let (
+                    Some(v),
+                    InterfaceEvent::Link { name, .. } | InterfaceEvent::LinkRemoved { name, .. },
+                ) = (&mut kernel.vxlan, &e)
+                {
+                    v.link_changed(name);
+                }
                 match e {
                     InterfaceEvent::Link { index, name, .. } => routes.link_added(index, &name),
                     InterfaceEvent::LinkRemoved { index, name } => {
                         routes.link_removed(index, &name)
                     }
+                    InterfaceEvent::RouteRemoved(key) => routes.route_removed(key),
                     _ => {}
                 }
             }

@@ -18,8 +18,9 @@ impl WireguardManager {
             }
             if let Some(r) = &mut kernel.routes {
                 for dst in dsts.iter().filter(|d| version_of(d) == v) {
-                    let key = RouteKey::new(self.table(v), *dst, 0);
-                    r.update(RouteSource::Wireguard, key, self.target(v, dst, &s.iface));
+                    for (key, target) in self.routes_of(v, dst, &s.iface) {
+                        r.update(RouteSource::Wireguard, key, target);
+                    }
                 }
             }
             if let Some(wg) = &mut kernel.wireguard {

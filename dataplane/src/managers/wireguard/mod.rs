@@ -5,7 +5,9 @@
 //! (`WireguardEndpointUpdate` / `…V6Update`) no other node claims, with
 //! that node's workload blocks and tunnel addresses (`RouteUpdate`s) as
 //! allowed IPs; the routing table (1, v6: 2) with `<cidr> dev <device>` for
-//! each programmed peer's CIDRs and `throw <cidr>` for the others' and for
+//! each programmed peer's CIDRs (and, once this node's key is out, a
+//! blackhole of each at metric 4096 behind it: fail closed while the
+//! device is gone; not Felix's) and `throw <cidr>` for the others' and for
 //! this node's own; and the rule `not fwmark M/M lookup <table>` (priority
 //! 99), which sends everything but WireGuard's own packets (which carry
 //! the mark) through that table. Off: no device, no routes, no rule.
@@ -29,8 +31,8 @@ use crate::backends::routes::RouteSource;
 use crate::interfaces::InterfaceEvent;
 use crate::model::routes::{IpRule, RouteClass, RouteKey, RouteKind, RouteTarget};
 use crate::model::wireguard::{
-    OVERHEAD_V4, OVERHEAD_V6, PublicKey, RULE_PRIORITY, TABLE_V4, TABLE_V6, WgDevice, WgPeer,
-    WgSettings, check_config, config_keys,
+    FAIL_CLOSED_METRIC, OVERHEAD_V4, OVERHEAD_V6, PublicKey, RULE_PRIORITY, TABLE_V4, TABLE_V6,
+    WgDevice, WgPeer, WgSettings, check_config, config_keys,
 };
 use crate::model::{HostMetadata, Id, IpVersion, Key, Update, ValidationError, WireguardEndpoint};
 
@@ -344,7 +346,7 @@ impl Manager for WireguardManager {
                     self.all_dirty = true;
                 }
             }
-            InterfaceEvent::InSync => {}
+            InterfaceEvent::InSync | InterfaceEvent::RouteRemoved(_) => {}
         }
     }
 

@@ -83,12 +83,8 @@ impl WireguardManager {
             .routes
             .keys()
             .filter(|d| version_of(d) == v)
-            .filter_map(|d| {
-                Some((
-                    RouteKey::new(self.table(v), *d, 0),
-                    self.target(v, d, &s.iface)?,
-                ))
-            })
+            .flat_map(|d| self.routes_of(v, d, &s.iface))
+            .filter_map(|(k, t)| Some((k, t?)))
             .collect();
         let peers: BTreeMap<PublicKey, WgPeer> = self.peers[i]
             .iter()
@@ -177,6 +173,39 @@ impl WireguardManager {
             t.dev = Some(iface.to_string());
         }
         Some(t)
+    }
+
+    /// The routes of `dst` in version `v`'s table: [`Self::target`], and
+    /// behind a route into the device a blackhole (a higher metric) that
+    /// takes over when the device's route is gone (the device deleted,
+    /// its wireguard-go dead, until it is made again): pod traffic to a
+    /// peer is dropped then, never sent in clear through the next rule's
+    /// tables (VXLAN, the underlay), which is what Felix's table does. Only
+    /// once this node has a key out: where WireGuard cannot run at all,
+    /// nothing is held back.
+    pub(super) fn routes_of(
+        &self,
+        v: IpVersion,
+        dst: &IpNet,
+        iface: &str,
+    ) -> [(RouteKey, Option<RouteTarget>); 2] {
+        let table = self.table(v);
+        let target = self.target(v, dst, iface);
+        let running = self.own_keys[idx(v)]
+            .as_deref()
+            .is_some_and(|k| !k.is_empty());
+        let fallback = target
+            .as_ref()
+            .filter(|t| running && t.kind == RouteKind::Unicast)
+            .map(|t| RouteTarget {
+                kind: RouteKind::Blackhole,
+                dev: None,
+                ..t.clone()
+            });
+        [
+            (RouteKey::new(table, *dst, 0), target),
+            (RouteKey::new(table, *dst, FAIL_CLOSED_METRIC), fallback),
+        ]
     }
 
     /// A programmed node as a peer: its share of version `v` as allowed

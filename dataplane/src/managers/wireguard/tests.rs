@@ -466,3 +466,69 @@ fn a_stale_key_for_this_node_gets_ours_announced_again() {
     m.complete_deferred_work(&mut k).unwrap();
     assert!(k.wireguard.as_mut().unwrap().take_events().is_empty());
 }
+
+/// Once this node's key is out, each peer's route has a blackhole behind
+/// it (metric 4096) that takes over while the device's route is gone; a
+/// node that is not a peer has none; a RouteUpdate alone keeps them in
+/// step; where WireGuard cannot run (no key), there are none.
+#[test]
+fn a_peers_route_has_a_blackhole_behind_it_once_our_key_is_out() {
+    let with_metric = |k: &DesiredKernel| -> Vec<String> {
+        k.routes
+            .as_ref()
+            .unwrap()
+            .desired()
+            .iter()
+            .map(|(key, t)| format!("{} {} {} {:?}", key.table, key.dst, key.metric, t.kind))
+            .collect()
+    };
+    let (mut m, mut k) = applied_cluster();
+    m.complete_deferred_work(&mut k).unwrap();
+    assert_eq!(
+        with_metric(&k),
+        vec![
+            "1 10.65.0.0/26 0 Throw",
+            "1 10.65.1.0/26 0 Unicast",
+            "1 10.65.1.0/26 4096 Blackhole",
+            "1 10.65.1.1/32 0 Unicast",
+            "1 10.65.1.1/32 4096 Blackhole",
+            "1 10.65.2.0/26 0 Unicast",
+            "1 10.65.2.0/26 4096 Blackhole",
+        ]
+    );
+    // A new block of node-b, worked out alone.
+    let u = route("10.65.3.0/26", "node-b", 1);
+    m.check(&u).unwrap();
+    m.on_update(&u);
+    m.complete_deferred_work(&mut k).unwrap();
+    let t = with_metric(&k);
+    assert!(
+        t.contains(&"1 10.65.3.0/26 4096 Blackhole".to_string()),
+        "{t:?}"
+    );
+    // It goes: both go.
+    m.on_update(&Update::Remove(Key::Route("10.65.3.0/26".parse().unwrap())));
+    m.complete_deferred_work(&mut k).unwrap();
+    let t = with_metric(&k);
+    assert!(!t.iter().any(|r| r.contains("10.65.3.0")), "{t:?}");
+
+    // No WireGuard here at all: no key, nothing held back.
+    let mut m = manager(true);
+    cluster(&mut m);
+    let mut k = kernel();
+    k.wireguard = Some(Wireguard::new(
+        Box::new(Seam(fake(false, false))),
+        KeyStore::new(None),
+        WgImpl::Auto,
+    ));
+    m.complete_deferred_work(&mut k).unwrap();
+    let _ = k
+        .wireguard
+        .as_mut()
+        .unwrap()
+        .apply(crate::backends::Phase::Links);
+    m.complete_deferred_work(&mut k).unwrap();
+    let t = with_metric(&k);
+    assert!(t.iter().any(|r| r.contains("Unicast")), "{t:?}");
+    assert!(!t.iter().any(|r| r.contains("Blackhole")), "{t:?}");
+}
