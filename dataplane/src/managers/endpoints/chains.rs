@@ -29,8 +29,11 @@ pub(super) type Chains = BTreeMap<String, Vec<Rule>>;
 
 /// Dispatch leaves by their chain's name: the flag, depth and entries
 /// they were rendered for, and their rules.
+/// A dispatch leaf as last rendered into one IP version's filter, by
+/// chain name: its flag, depth, interfaces and rules (a leaf's rules
+/// follow from those alone).
 pub(super) type DispatchMemo =
-    std::collections::HashMap<String, (String, usize, Vec<(String, String)>, Vec<Rule>)>;
+    std::collections::HashMap<String, (String, usize, Vec<String>, Vec<Rule>)>;
 
 /// What an endpoint chain is for (Felix's chain types).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -563,8 +566,11 @@ impl EndpointsManager {
     }
 
     /// The workload dispatch chains (filter): from and to each workload
-    /// interface, as a tree split by the characters of the names.
-    pub(super) fn dispatch_chains(&self) -> Result<Chains, ManagerError> {
+    /// interface, as a tree split by the characters of the names. Leaves
+    /// that are as they were last time are not in the result but in
+    /// `dispatch_kept` (their chains are still set in the tables).
+    pub(super) fn dispatch_chains(&self, v: IpVersion) -> Result<Chains, ManagerError> {
+        let vi = usize::from(v == IpVersion::V6);
         let wl = self.cfg.workload_prefix.as_str();
         // Only names with the workload prefix can reach dispatch at all.
         let mut ifaces: Vec<&str> = self
@@ -577,24 +583,21 @@ impl EndpointsManager {
         ifaces.dedup();
         let mut chains = Chains::new();
         let mut memo = DispatchMemo::new();
+        self.dispatch_kept.borrow_mut().clear();
         for (flag, dir, root) in [
             ("-i", Direction::Outbound, self.p("from-wl-dispatch")),
             ("-o", Direction::Inbound, self.p("to-wl-dispatch")),
         ] {
-            let entries: Vec<(&str, String)> = ifaces
-                .iter()
-                .map(|i| (*i, self.endpoint_chain(dir, i)))
-                .collect();
             self.dispatch_tree(
-                flag,
+                (flag, dir, vi),
                 (&root, root.clone()),
                 wl.len(),
-                &entries,
+                &ifaces,
                 (&mut chains, &mut memo),
             )?;
         }
         // What was not rendered this time is let go.
-        *self.dispatch_memo.borrow_mut() = memo;
+        self.dispatch_memo.borrow_mut()[vi] = memo;
         Ok(chains)
     }
 
@@ -610,28 +613,27 @@ impl EndpointsManager {
     /// every level: fail closed.
     fn dispatch_tree(
         &self,
-        flag: &str,
+        (flag, dir, vi): (&str, Direction, usize),
         (root, name): (&str, String),
         depth: usize,
-        entries: &[(&str, String)],
+        entries: &[&str],
         (out, memo): (&mut Chains, &mut DispatchMemo),
     ) -> Result<(), ManagerError> {
         // A leaf (a rule per interface, no subtree) rendered for the same
-        // interfaces last time is taken as it was.
-        let hit = self
-            .dispatch_memo
-            .borrow_mut()
+        // interfaces last time is taken as it was (the flag gives the
+        // direction, so the same targets).
+        let hit = self.dispatch_memo.borrow_mut()[vi]
             .remove(&name)
             .filter(|(f, d, e, _)| {
                 f == flag
                     && *d == depth
                     && e.len() == entries.len()
-                    && e.iter()
-                        .zip(entries)
-                        .all(|((a, b), (c, d))| a == c && b == d)
+                    && e.iter().zip(entries).all(|(a, b)| a == b)
             });
         if let Some(m) = hit {
-            out.insert(name.clone(), m.3.clone());
+            // Set last time as it is now: named, not set again (cloning
+            // and comparing thousands of rules per endpoint added).
+            self.dispatch_kept.borrow_mut().push(name.clone());
             memo.insert(name, m);
             return Ok(());
         }
@@ -642,11 +644,9 @@ impl EndpointsManager {
         let split = entries.len() > DISPATCH_LEAF && root.len() + 5 <= MAX_CHAIN_NAME;
         let mut depth = depth;
         if split {
-            let first = entries[0].0.as_bytes();
+            let first = entries[0].as_bytes();
             while let Some(c) = first.get(depth)
-                && entries
-                    .iter()
-                    .all(|(n, _)| n.as_bytes().get(depth) == Some(c))
+                && entries.iter().all(|n| n.as_bytes().get(depth) == Some(c))
             {
                 depth += 1;
             }
@@ -654,18 +654,28 @@ impl EndpointsManager {
         let wl = self.cfg.workload_prefix.len();
         let mut i = 0;
         while i < entries.len() {
-            let (iface, target) = &entries[i];
+            let iface = entries[i];
             let Some(key) = iface.get(..=depth).filter(|_| split) else {
-                rules.push(rule(&[flag, iface, "-g", target])?);
+                rules.push(rule(&[
+                    flag,
+                    iface,
+                    "-g",
+                    &self.endpoint_chain(dir, iface),
+                ])?);
                 i += 1;
                 continue;
             };
             let j = i + entries[i..]
                 .iter()
-                .take_while(|(n, _)| n.get(..=depth) == Some(key))
+                .take_while(|n| n.get(..=depth) == Some(key))
                 .count();
             if j - i == 1 {
-                rules.push(rule(&[flag, iface, "-g", target])?);
+                rules.push(rule(&[
+                    flag,
+                    iface,
+                    "-g",
+                    &self.endpoint_chain(dir, iface),
+                ])?);
             } else {
                 let named = format!("{root}-{}", &key[wl..]);
                 let child = if named.len() <= MAX_CHAIN_NAME {
@@ -678,7 +688,7 @@ impl EndpointsManager {
                 };
                 rules.push(rule(&[flag, &format!("{key}+"), "-g", &child])?);
                 self.dispatch_tree(
-                    flag,
+                    (flag, dir, vi),
                     (root, child),
                     depth + 1,
                     &entries[i..j],
@@ -690,10 +700,7 @@ impl EndpointsManager {
         }
         rules.push(rule(&["-j", "DROP"])?);
         if leaf {
-            let kept = entries
-                .iter()
-                .map(|(i, t)| (i.to_string(), t.clone()))
-                .collect();
+            let kept = entries.iter().map(|i| i.to_string()).collect();
             memo.insert(
                 name.clone(),
                 (flag.to_string(), first_depth, kept, rules.clone()),

@@ -47,7 +47,7 @@
 mod chains;
 mod hosts;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
@@ -211,7 +211,11 @@ pub struct EndpointsManager {
     /// The dispatch leaves last rendered, by their chain's name: one whose
     /// interfaces did not change is taken as it was (an endpoint coming
     /// or going changes a few of the 10,000 rules).
-    dispatch_memo: std::cell::RefCell<chains::DispatchMemo>,
+    /// Per IP version (v4, v6): each filter table keeps its own leaves.
+    dispatch_memo: std::cell::RefCell<[chains::DispatchMemo; 2]>,
+    /// The dispatch leaves the last render found as they were (not
+    /// rendered again; still owned).
+    dispatch_kept: std::cell::RefCell<Vec<String>>,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -297,6 +301,7 @@ impl EndpointsManager {
             encap: crate::model::Encapsulation::default(),
             wg_config: std::collections::BTreeMap::new(),
             dispatch_memo: Default::default(),
+            dispatch_kept: Default::default(),
             owned: HashMap::new(),
             claims: HashMap::new(),
             warned: BTreeSet::new(),
@@ -392,7 +397,7 @@ impl EndpointsManager {
                 Some(ep) if self.active(id, ep) => self.workload_chains(ep),
                 _ => Ok(chains::Chains::new()),
             },
-            Owner::Dispatch if table == FILTER => self.dispatch_chains(),
+            Owner::Dispatch if table == FILTER => self.dispatch_chains(v),
             Owner::Static => self.static_chains(table, v, &self.resolved),
             _ => Ok(chains::Chains::new()),
         }
@@ -416,13 +421,19 @@ impl EndpointsManager {
                     t.set_chain(&name, rules).map_err(bad)?;
                     now.push((i, name));
                 }
+                if owner == Owner::Dispatch && table == FILTER {
+                    now.extend(self.dispatch_kept.take().into_iter().map(|n| (i, n)));
+                }
             }
             let before = self.owned.remove(&owner).unwrap_or_default();
-            for key in now.iter().filter(|k| !before.contains(k)) {
+            // (Sets for the lookups: the dispatch owner has thousands.)
+            let before_set: HashSet<&(usize, String)> = before.iter().collect();
+            let now_set: HashSet<&(usize, String)> = now.iter().collect();
+            for key in now.iter().filter(|k| !before_set.contains(k)) {
                 *self.claims.entry(key.clone()).or_default() += 1;
             }
             for (i, t) in kernel.rule_tables_mut().enumerate() {
-                for key in before.iter().filter(|k| k.0 == i && !now.contains(k)) {
+                for key in before.iter().filter(|k| k.0 == i && !now_set.contains(k)) {
                     let left = match self.claims.get_mut(key) {
                         Some(n) if *n > 1 => {
                             *n -= 1;
@@ -479,11 +490,11 @@ impl EndpointsManager {
         let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
         for (id, ep) in &self.endpoints {
             let dev = ep.name.as_str();
-            if !self.active(id, ep) {
-                continue; // shadowed: its interface routes the active one's
-            }
             if !self.host_links.links.contains_key(dev) {
                 continue; // CNI has not made it yet; retried when it appears
+            }
+            if !self.active(id, ep) {
+                continue; // shadowed: its interface routes the active one's
             }
             let nets = ep
                 .ipv4_nets
@@ -758,6 +769,8 @@ impl Manager for EndpointsManager {
         let d = std::mem::take(&mut self.dirty);
         let mut owners: Vec<Owner> = Vec::new();
         if d.all {
+            // Everything set again (after a failure too): no leaf kept.
+            *self.dispatch_memo.borrow_mut() = Default::default();
             owners.extend(self.policies.keys().cloned().map(Owner::Policy));
             owners.extend(self.profiles.keys().cloned().map(Owner::Profile));
             owners.extend(self.endpoints.keys().cloned().map(Owner::Workload));

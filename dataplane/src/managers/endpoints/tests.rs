@@ -1032,6 +1032,38 @@ fn dispatch_kept_from_the_last_render_is_what_a_fresh_render_gives() {
     }
 }
 
+/// Both IP versions' filter tables get each new dispatch leaf: a leaf one
+/// version's render found changed is not taken as kept by the other's.
+#[test]
+fn each_ip_versions_dispatch_gets_the_new_leaf() {
+    let mut m = mgr();
+    let mut k = kernel(IpVersion::V4);
+    k.tables.extend(kernel(IpVersion::V6).tables);
+    // One missing from a leaf, then added: the leaf keeps its name.
+    for i in (0..600u32).filter(|i| *i != 5) {
+        m.on_update(&wep(&format!("cali{i:011x}"), vec![], &[], EndpointState::Active));
+    }
+    m.complete_deferred_work(&mut k).unwrap();
+    m.on_update(&wep("cali00000000005", vec![], &[], EndpointState::Active));
+    m.complete_deferred_work(&mut k).unwrap();
+    for t in k.tables.iter().filter(|t| t.table() == "filter") {
+        let chains: Chains = t
+            .programmed()
+            .into_iter()
+            .map(|name| {
+                let rules = t
+                    .chain(&name)
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.text().to_string())
+                    .collect();
+                (name, rules)
+            })
+            .collect();
+        assert_dispatched(&chains, "cali00000000005");
+    }
+}
+
 /// Two workloads on one interface (a make-before-break, or a feeder's
 /// mistake): the lower id is served, the other shadowed, as in Felix; either
 /// going leaves the other's chains in place.
