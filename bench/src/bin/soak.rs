@@ -1,7 +1,8 @@
 //! Soak: the real server in a namespace of its own under a steady stream of
 //! changes for a long time (default 10 minutes at 100 updates/s), with
 //! status watchers connecting and disconnecting all along. Prints, per
-//! interval and at the end, the server's RSS, open fds and threads (they
+//! interval and at the end, the server's RSS, open fds and threads and our rules
+//! in the kernel's filter table (they
 //! should be flat), the changes' latency (sent → programmed), the server's
 //! own apply times, and every error (failed applies, rejections, watcher
 //! failures). Needs root. The dataplane is the daemon's default, or
@@ -21,6 +22,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use dphandler_proto::felix::{self, to_dataplane::Payload};
 use dphandler_proto::v1;
+use dphandler_tests::kernel::our_rule_count;
 use dphandler_tests::{Daemon, Feed, Netns, tempdir};
 
 #[derive(Parser, Debug)]
@@ -275,11 +277,15 @@ async fn main() -> Result<()> {
     );
     println!();
     println!(
-        "| minute | RSS MiB | fds | threads | changes | latency p50 / p99 / max ms | applies | failed applies | watchers (failed) |"
+        "| minute | RSS MiB | fds | threads | our rules in filter | changes | latency p50 / p99 / max ms | applies | failed applies | watchers (failed) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    // Our rules in the kernel: a leak of chains or rules would grow here
+    // (and slow every apply down).
+    let rules = || our_rule_count(&ns, false, "filter").unwrap_or(0);
+    let rules0 = rules();
     println!(
-        "| 0 | {:.1} | {} | {} | 0 | | {} | {} | 0 (0) |",
+        "| 0 | {:.1} | {} | {} | {rules0} | 0 | | {} | {} | 0 (0) |",
         start.0, start.1, start.2, status0.applies, status0.failed_applies
     );
 
@@ -325,11 +331,12 @@ async fn main() -> Result<()> {
                 .into_inner();
             lat_row.sort_by(f64::total_cmp);
             println!(
-                "| {:.1} | {:.1} | {} | {} | {} | {:.1} / {:.1} / {:.1} | {} | {} | {} ({}) |",
+                "| {:.1} | {:.1} | {} | {} | {} | {} | {:.1} / {:.1} / {:.1} | {} | {} | {} ({}) |",
                 f64::from(rows) * a.report_seconds / 60.0,
                 s.0,
                 s.1,
                 s.2,
+                rules(),
                 row_changes,
                 pct(&lat_row, 0.5),
                 pct(&lat_row, 0.99),
@@ -359,6 +366,7 @@ async fn main() -> Result<()> {
     println!("| RSS | {:.1} MiB | {:.1} MiB |", start.0, end.0);
     println!("| open fds | {} | {} |", start.1, end.1);
     println!("| threads | {} | {} |", start.2, end.2);
+    println!("| our rules in filter | {rules0} | {} |", rules());
     println!();
     println!(
         "changes: {} sent, all programmed; latency p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",

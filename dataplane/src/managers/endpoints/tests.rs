@@ -1041,7 +1041,12 @@ fn each_ip_versions_dispatch_gets_the_new_leaf() {
     k.tables.extend(kernel(IpVersion::V6).tables);
     // One missing from a leaf, then added: the leaf keeps its name.
     for i in (0..600u32).filter(|i| *i != 5) {
-        m.on_update(&wep(&format!("cali{i:011x}"), vec![], &[], EndpointState::Active));
+        m.on_update(&wep(
+            &format!("cali{i:011x}"),
+            vec![],
+            &[],
+            EndpointState::Active,
+        ));
     }
     m.complete_deferred_work(&mut k).unwrap();
     m.on_update(&wep("cali00000000005", vec![], &[], EndpointState::Active));
