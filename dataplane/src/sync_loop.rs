@@ -783,6 +783,17 @@ impl SyncLoop {
     }
 
     fn on_interface(&mut self, ev: InterfaceEvent) {
+        // Anyone's route deleted (a routing daemon's churn) comes here:
+        // only one of ours is worth an apply.
+        if let InterfaceEvent::RouteRemoved(key) = &ev
+            && !self
+                .kernel
+                .as_ref()
+                .and_then(|k| k.routes.as_ref())
+                .is_some_and(|r| r.holds(key))
+        {
+            return;
+        }
         if ev == InterfaceEvent::InSync {
             self.status.interfaces_in_sync = true;
         } else {

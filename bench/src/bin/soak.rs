@@ -221,7 +221,8 @@ async fn main() -> Result<()> {
     let a = Args::parse();
     let dir = tempdir()?;
     let socket = dir.path().join("dp.sock");
-    let ns = Netns::new("soak")?;
+    // (Shared with the rule counter's thread; removed when the last goes.)
+    let ns = Arc::new(Netns::new("soak")?);
     // Watchers and status calls are many: the call limit is not under test.
     let d = Daemon::start(
         &ns,
@@ -281,9 +282,30 @@ async fn main() -> Result<()> {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     // Our rules in the kernel: a leak of chains or rules would grow here
-    // (and slow every apply down).
-    let rules = || our_rule_count(&ns, false, "filter").unwrap_or(0);
-    let rules0 = rules();
+    // (and slow every apply down). Counted on a thread of its own, so
+    // that listing the tables (hundreds of ms with nft) never holds up
+    // this loop's sends and receives; a row shows the latest count.
+    let rules0 = our_rule_count(&ns, false, "filter")?;
+    let latest_rules = Arc::new(AtomicU64::new(rules0 as u64));
+    let counter = {
+        let (latest, stop, ns) = (latest_rules.clone(), stop.clone(), ns.clone());
+        let every = Duration::from_secs_f64(a.report_seconds / 2.0);
+        std::thread::spawn(move || {
+            while stop.load(Ordering::Relaxed) == 0 {
+                // A listing that a commit interrupts fails (nft): tried
+                // again a few times, else "unknown" (never a stale count).
+                let n = (0..5)
+                    .find_map(|_| our_rule_count(&ns, false, "filter").ok())
+                    .map_or(u64::MAX, |n| n as u64);
+                latest.store(n, Ordering::Relaxed);
+                std::thread::sleep(every);
+            }
+        })
+    };
+    let rules = || match latest_rules.load(Ordering::Relaxed) {
+        u64::MAX => "–".to_string(),
+        n => n.to_string(),
+    };
     println!(
         "| 0 | {:.1} | {} | {} | {rules0} | 0 | | {} | {} | 0 (0) |",
         start.0, start.1, start.2, status0.applies, status0.failed_applies
@@ -352,6 +374,7 @@ async fn main() -> Result<()> {
     }
     stop.store(1, Ordering::Relaxed);
     w.await?;
+    let _ = counter.join();
     // Watchers still open end within 3 s.
     tokio::time::sleep(Duration::from_secs(4)).await;
     let end = sample(pid)?;
@@ -366,7 +389,10 @@ async fn main() -> Result<()> {
     println!("| RSS | {:.1} MiB | {:.1} MiB |", start.0, end.0);
     println!("| open fds | {} | {} |", start.1, end.1);
     println!("| threads | {} | {} |", start.2, end.2);
-    println!("| our rules in filter | {rules0} | {} |", rules());
+    println!(
+        "| our rules in filter | {rules0} | {} |",
+        our_rule_count(&ns, false, "filter")?
+    );
     println!();
     println!(
         "changes: {} sent, all programmed; latency p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",

@@ -248,6 +248,13 @@ impl Routes {
         }
     }
 
+    /// Whether the kernel held route `key` of ours at the last look.
+    pub fn holds(&self, key: &RouteKey) -> bool {
+        self.observed
+            .as_ref()
+            .is_some_and(|o| o.routes.contains_key(key))
+    }
+
     /// A route was deleted (the route watcher): if it is one we hold,
     /// forget it, so that the next apply writes it again (deleted by hand:
     /// back in milliseconds rather than at the refresh tick). Our own

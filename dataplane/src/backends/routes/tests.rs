@@ -513,7 +513,10 @@ fn a_route_deleted_by_hand_is_written_again_at_its_event() {
     );
     r.apply(Phase::RoutesAndRules).unwrap();
     k.take_writes();
-    // Someone else's route goes: nothing to do.
+    // Someone else's route goes: nothing to do (the loop does not even
+    // wake for it).
+    assert!(r.holds(&key("10.65.0.2/32")));
+    assert!(!r.holds(&key("198.18.0.0/24")));
     r.route_removed(key("198.18.0.0/24"));
     assert!(!r.is_dirty(Phase::RoutesAndRules));
     // Ours goes (`ip route del`): written again at the next apply.
