@@ -128,7 +128,7 @@ impl Dispatch {
         }
         h.update(if drop { &b"drop"[..] } else { b"return" });
         let sum = h.finalize();
-        let hex: String = sum[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let hex = hex::encode(&sum[..8]);
         Some(Self {
             name: format!("dispatch-{}-{hex}", if input { "in" } else { "out" }),
             input,
@@ -221,7 +221,7 @@ fn port_set_name(ranges: &[(u16, u16)]) -> String {
         h.update(b.to_be_bytes());
     }
     let d = h.finalize();
-    let hex: String = d[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex::encode(&d[..8]);
     format!("ports-{hex}")
 }
 

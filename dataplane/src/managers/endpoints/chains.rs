@@ -652,16 +652,13 @@ impl EndpointsManager {
             }
         }
         let wl = self.cfg.workload_prefix.len();
+        let to_endpoint =
+            |iface: &str| rule(&[flag, iface, "-g", &self.endpoint_chain(dir, iface)]);
         let mut i = 0;
         while i < entries.len() {
             let iface = entries[i];
             let Some(key) = iface.get(..=depth).filter(|_| split) else {
-                rules.push(rule(&[
-                    flag,
-                    iface,
-                    "-g",
-                    &self.endpoint_chain(dir, iface),
-                ])?);
+                rules.push(to_endpoint(iface)?);
                 i += 1;
                 continue;
             };
@@ -670,12 +667,7 @@ impl EndpointsManager {
                 .take_while(|n| n.get(..=depth) == Some(key))
                 .count();
             if j - i == 1 {
-                rules.push(rule(&[
-                    flag,
-                    iface,
-                    "-g",
-                    &self.endpoint_chain(dir, iface),
-                ])?);
+                rules.push(to_endpoint(iface)?);
             } else {
                 let named = format!("{root}-{}", &key[wl..]);
                 let child = if named.len() <= MAX_CHAIN_NAME {
@@ -683,7 +675,7 @@ impl EndpointsManager {
                 } else {
                     use sha2::Digest as _;
                     let sum = sha2::Sha224::digest(key.as_bytes());
-                    let hex: String = sum.iter().map(|b| format!("{b:02x}")).collect();
+                    let hex = hex::encode(sum);
                     format!("{root}.{}", &hex[..MAX_CHAIN_NAME - root.len() - 1])
                 };
                 rules.push(rule(&[flag, &format!("{key}+"), "-g", &child])?);

@@ -414,3 +414,78 @@ fn what_nothing_reaches_goes_after_the_rules_that_used_it() {
     let z = plan_v4(&tables, &sets, &after, None).unwrap();
     assert_eq!(names(&z.ops), ["removing set dph-filter/dph40s"]);
 }
+
+/// The table that holds the sets no other table looks up (sharded
+/// filter) is planned from its changes while the others are: a member is
+/// an element; a new set no rule uses goes to it; a new set a changed
+/// chain elsewhere starts using goes there, not to it.
+#[test]
+fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
+    let meta = Meta {
+        set_type: IpSetType::Ip,
+        maxelem: 10,
+    };
+    let mut filter = ChainTable::new("filter", IpVersion::V4, Ownership::new("dph"));
+    filter.spare_sets_only = true;
+    filter.set_hooks("FORWARD", vec![r("-j ACCEPT")]).unwrap();
+    let mut shard = ChainTable::new("filter-0", IpVersion::V4, Ownership::new("dph"));
+    shard
+        .set_chain("dph-a", vec![r("-m set --match-set dph40a src -j DROP")])
+        .unwrap();
+    shard.set_hooks("FORWARD", vec![r("-j dph-a")]).unwrap();
+    let mut tables = vec![filter, shard];
+    let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
+    for s in ["dph40a", "dph40b"] {
+        sets.replace(s.into(), meta, [ip("10.0.0.1")].into());
+    }
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    let observed = p.after;
+    let held = |o: &Observed, t: &str| o[t].sets.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(held(&observed, "dph-filter"), ["dph40b"]);
+    assert_eq!(held(&observed, "dph-filter-0"), ["dph40a"]);
+
+    // Members of both: elements alone, every table from its changes.
+    for s in ["dph40a", "dph40b"] {
+        sets.delta(
+            s,
+            &mut [ip("10.0.0.2")].into_iter(),
+            &mut std::iter::empty(),
+        );
+    }
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert_eq!(
+        names(&c.ops),
+        [
+            "adding 1 elements to dph-filter/dph40b",
+            "adding 1 elements to dph-filter-0/dph40a"
+        ]
+    );
+    assert!(cheap(&c, "dph-filter") && cheap(&c, "dph-filter-0"));
+    committed(&mut tables, &mut sets);
+
+    // A new set no rule uses: filter takes it.
+    sets.replace("dph40c".into(), meta, [ip("10.0.0.3")].into());
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(!cheap(&c, "dph-filter") && cheap(&c, "dph-filter-0"));
+    assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c"]);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // A new set the shard's changed chain looks up: the shard takes it,
+    // filter stays as it is.
+    sets.replace("dph40d".into(), meta, [ip("10.0.0.4")].into());
+    tables[1]
+        .set_chain(
+            "dph-a",
+            vec![
+                r("-m set --match-set dph40a src -j DROP"),
+                r("-m set --match-set dph40d src -j DROP"),
+            ],
+        )
+        .unwrap();
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter"), "{:?}", names(&c.ops));
+    assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c"]);
+    assert_eq!(held(&c.after, "dph-filter-0"), ["dph40a", "dph40d"]);
+}
