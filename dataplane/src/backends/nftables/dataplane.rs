@@ -784,6 +784,28 @@ mod tests {
         assert!(!d.reading(), "the last one was read in place");
     }
 
+    /// An IPv4 dataplane over a [`Fake`] that records its commits in
+    /// `commits` and refuses the first `refuse`; the sender lets its
+    /// detached reads go.
+    fn unsharded(commits: Arc<Mutex<Vec<usize>>>, refuse: u32) -> (Dataplane, mpsc::Sender<()>) {
+        let (tx, rx) = mpsc::channel();
+        let fake = Fake {
+            commits,
+            refuse: Arc::new(Mutex::new(refuse)),
+            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
+            go: Arc::new(Mutex::new(rx)),
+            detached: Arc::default(),
+        };
+        let d = Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            ShardLayout::default(),
+            Box::new(fake),
+        );
+        (d, tx)
+    }
+
     /// A commit the kernel refuses (nothing of it applied) is an error
     /// of the apply, which the loop retries; each retry reads the tables
     /// back and plans from what is there, so the change lands whole once
@@ -791,22 +813,7 @@ mod tests {
     #[test]
     fn a_refused_commit_is_retried_from_a_fresh_read() {
         let commits = Arc::new(Mutex::new(Vec::new()));
-        let refuse = Arc::new(Mutex::new(2));
-        let (_tx, rx) = mpsc::channel();
-        let fake = Fake {
-            commits: Arc::clone(&commits),
-            refuse: Arc::clone(&refuse),
-            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
-            go: Arc::new(Mutex::new(rx)),
-            detached: Arc::default(),
-        };
-        let mut d = Dataplane::new(
-            IpVersion::V4,
-            "dph",
-            SetNames::new("dph").unwrap(),
-            ShardLayout::default(),
-            Box::new(fake),
-        );
+        let (mut d, _go) = unsharded(Arc::clone(&commits), 2);
         d.filter
             .set_chain("dph-a", vec![Rule::parse("-j DROP").unwrap()])
             .unwrap();
@@ -824,26 +831,13 @@ mod tests {
         assert_eq!(commits.lock().unwrap().len(), 1);
         assert!(!d.is_dirty(Phase::Tables));
     }
+
     /// The IP sets counted as held follow sets that come and go, and stay
     /// right through commits that reshape a table without either (which
     /// skip the count).
     #[test]
     fn the_sets_held_follow_sets_added_and_removed() {
-        let (_tx, rx) = mpsc::channel();
-        let fake = Fake {
-            commits: Arc::default(),
-            refuse: Arc::default(),
-            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
-            go: Arc::new(Mutex::new(rx)),
-            detached: Arc::default(),
-        };
-        let mut d = Dataplane::new(
-            IpVersion::V4,
-            "dph",
-            SetNames::new("dph").unwrap(),
-            ShardLayout::default(),
-            Box::new(fake),
-        );
+        let (mut d, _go) = unsharded(Arc::default(), 0);
         let meta = Meta {
             set_type: IpSetType::Ip,
             maxelem: 10,
