@@ -238,6 +238,18 @@ fn cold_start(a: &Args) -> Vec<Payload> {
     out
 }
 
+/// Adds `member` to the first set; milliseconds until it is programmed.
+async fn add_member(feed: &mut Feed, member: String) -> Result<f64> {
+    let t0 = Instant::now();
+    let seq = feed.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
+        id: set_id(0),
+        added_members: vec![member],
+        removed_members: vec![],
+    }))?;
+    let at = feed.until(seq, Duration::from_secs(60)).await?;
+    Ok((at - t0).as_secs_f64() * 1000.0)
+}
+
 /// The names our nftables tables can have (the shards up to the most
 /// there can be), listed one by one: a family-wide `nft list` is slow
 /// at this size.
@@ -767,14 +779,7 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
             started.elapsed()
         };
         raw_member.push(took.as_secs_f64() * 1000.0);
-        let t0 = Instant::now();
-        let seq = feed.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
-            id: set_id(0),
-            added_members: vec![member],
-            removed_members: vec![],
-        }))?;
-        let at = feed.until(seq, Duration::from_secs(60)).await?;
-        ours_member.push((at - t0).as_secs_f64() * 1000.0);
+        ours_member.push(add_member(&mut feed, member).await?);
         eprintln!(
             "{dataplane}: policy change {}: ours {:.1} ms, raw {:.1} ms; member: ours {:.2} ms, raw {:.2} ms",
             i + 1,
@@ -787,14 +792,7 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
     drop(raw_ns);
     for i in 0..a.member_adds {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let t0 = Instant::now();
-        let seq = feed.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
-            id: set_id(0),
-            added_members: vec![ip(0x70_0000 + i)],
-            removed_members: vec![],
-        }))?;
-        let at = feed.until(seq, Duration::from_secs(60)).await?;
-        ours_member.push((at - t0).as_secs_f64() * 1000.0);
+        ours_member.push(add_member(&mut feed, ip(0x70_0000 + i)).await?);
     }
     r.change = median(ours_change);
     r.raw_change = median(raw_change);

@@ -488,4 +488,30 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
     assert!(cheap(&c, "dph-filter"), "{:?}", names(&c.ops));
     assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c"]);
     assert_eq!(held(&c.after, "dph-filter-0"), ["dph40a", "dph40d"]);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // The shard reshaped (a chain more) and no longer looking up dph40d:
+    // it drops the set, and filter takes it (every set is somewhere).
+    tables[1].set_chain("dph-b", vec![r("-j DROP")]).unwrap();
+    tables[1]
+        .set_chain("dph-a", vec![r("-m set --match-set dph40a src -j dph-b")])
+        .unwrap();
+    assert!(tables[1].reshaped);
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(!cheap(&c, "dph-filter") && !cheap(&c, "dph-filter-0"));
+    assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c", "dph40d"]);
+    assert_eq!(held(&c.after, "dph-filter-0"), ["dph40a"]);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // Reshaped again, keeping its sets: filter stays as it is.
+    tables[1].set_chain("dph-b", vec![r("-j ACCEPT")]).unwrap();
+    tables[1].set_chain("dph-c", vec![r("-j DROP")]).unwrap();
+    tables[1]
+        .set_hooks("FORWARD", vec![r("-j dph-a"), r("-j dph-c")])
+        .unwrap();
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter") && !cheap(&c, "dph-filter-0"));
+    assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c", "dph40d"]);
 }
