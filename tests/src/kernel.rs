@@ -39,6 +39,29 @@ fn family(v6: bool) -> &'static str {
     if v6 { "ip6" } else { "ip" }
 }
 
+/// The chain workload `iface`'s traffic goes to in filter, `kind` `tw`
+/// (to it) or `fw` (from it): `dph-<kind>-<iface>` with iptables (and
+/// nftables unsharded); sharded, the policy list chain its shard's
+/// dispatch map names for it.
+pub fn endpoint_chain(ns: &Netns, v6: bool, kind: &str, iface: &str) -> Result<String> {
+    let own = format!("dph-{kind}-{iface}");
+    if !nftables() {
+        return Ok(own);
+    }
+    let text = our_rules(ns, v6, "filter")?;
+    let quoted = format!("\"{iface}\"");
+    let goto = format!("goto dph-{kind}-");
+    text.split(['\n', ',', '{', '}'])
+        .filter(|e| e.contains(&quoted))
+        .filter_map(|e| {
+            let at = e.find(&goto)? + "goto ".len();
+            e[at..].split_whitespace().next()
+        })
+        // Filter's own dispatch marks the packet for the shards.
+        .find(|c| !c.contains("pending"))
+        .map_or(Ok(own), |c| Ok(c.to_string()))
+}
+
 /// Our rules in `table` ("" when we have none there): the lines of
 /// `iptables-save -t <table>` that name us, or nft's listing of our table.
 pub fn our_rules(ns: &Netns, v6: bool, table: &str) -> Result<String> {

@@ -87,13 +87,16 @@ async fn status(
 /// Endpoints in [`large`].
 const BIG_ENDPOINTS: usize = 3000;
 
-/// The chains of [`large`]'s endpoints in the kernel.
+/// The chains of [`large`]'s endpoints in the kernel (nftables: the
+/// dispatch rules and map entries that name their interfaces; the chains
+/// they go to are shared by endpoints with the same policies).
 fn big_chains(host: &Netns) -> Result<usize> {
     let text = dphandler_tests::kernel::our_rules(host, false, "filter")?;
-    Ok(text.matches(":dph-tw-calib").count()
-        + text.matches(":dph-fw-calib").count()
-        + text.matches("chain dph-tw-calib").count()
-        + text.matches("chain dph-fw-calib").count())
+    Ok(if nftables() {
+        text.matches("\"calib").count()
+    } else {
+        text.matches(":dph-tw-calib").count() + text.matches(":dph-fw-calib").count()
+    })
 }
 
 /// Many endpoints and policies at once: an apply of a second or more.
@@ -521,7 +524,8 @@ async fn a_flushed_chain_is_repaired_and_nothing_denied_gets_in() -> Result<()> 
     push(&mut c, yaml_msgs(1, &snapshot())).await?;
     let traffic = Traffic::start(&l.w1, TARGET)?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let chain = "dph-tw-cali2";
+    let chain = dphandler_tests::kernel::endpoint_chain(&l.host, false, "tw", "cali2")?;
+    let chain = chain.as_str();
     let listed = || -> Result<String> {
         Ok(without_counters(&our_chain(
             &l.host, false, "filter", chain,
@@ -529,7 +533,7 @@ async fn a_flushed_chain_is_repaired_and_nothing_denied_gets_in() -> Result<()> 
     };
     let before = listed()?;
     assert!(
-        before.contains(spelled("-A dph-tw-cali2", "dph:")),
+        before.contains(spelled(&format!("-A {chain}"), "dph:")),
         "{before}"
     );
     let sent_before = traffic.sent();

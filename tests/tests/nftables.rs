@@ -168,9 +168,10 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
     let listed = host
         .run("nft", &["list", "table", "ip", "dph-filter"])?
         .stdout;
-    // The workloads' policy is in a shard: their chains, the policies'
-    // copies and a verdict-map dispatch; filter's own dispatch sets the
-    // pending mark.
+    // The workloads' policy is in a shard: a chain per policy list (named
+    // by its rules, shared by endpoints with the same policies), the
+    // policies' copies and a verdict-map dispatch; filter's own dispatch
+    // sets the pending mark.
     let shards: Vec<(String, String)> = tables
         .iter()
         .filter_map(|t| t.strip_prefix("table ip "))
@@ -182,13 +183,14 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         .collect::<Result<_>>()?;
     let (shard, shard_listing) = shards
         .iter()
-        .find(|(_, l)| l.contains("chain dph-tw-cali2 {"))
+        .find(|(_, l)| l.contains("\"cali2\" : goto dph-tw-list-"))
         .with_context(|| format!("a shard holding cali2's chains: {shards:?}"))?;
     let shard = shard.clone();
     for want in [
-        "chain dph-fw-cali2",
+        "chain dph-fw-list-",
+        "chain dph-tw-list-",
         "oifname vmap @dispatch-out-",
-        "\"cali2\" : goto dph-tw-cali2",
+        "iifname vmap @dispatch-in-",
         "hook forward priority filter + 10",
     ] {
         assert!(shard_listing.contains(want), "{want}: {shard_listing}");
@@ -271,13 +273,13 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         Ok(String::from_utf8_lossy(&m.stdout).into_owned())
     };
     // (A refresh tick may have repaired it while the probe ran.)
-    let repaired_already = entries()?.contains("\"cali2\" : goto dph-tw-cali2");
+    let repaired_already = entries()?.contains("\"cali2\" : goto dph-tw-list-");
     assert!(
         blocked || repaired_already,
         "reached while its ingress policy could not run"
     );
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !entries()?.contains("\"cali2\" : goto dph-tw-cali2") {
+    while !entries()?.contains("\"cali2\" : goto dph-tw-list-") {
         ensure!(
             Instant::now() < deadline,
             "the dispatch map was not made again"

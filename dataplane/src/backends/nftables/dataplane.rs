@@ -148,11 +148,20 @@ impl NftKernel for NftNetlink {
                 } else if s.flags & 0x4 != 0 {
                     Content::Ranges(self.ranges(family, &table, &s.name)?)
                 } else {
-                    Content::Keys(
-                        self.elements(family, &table, &s.name)?
-                            .into_iter()
-                            .collect(),
-                    )
+                    let keys = self.elements(family, &table, &s.name)?.into_iter();
+                    // A 16-byte key parses as an IPv6 address; a map's
+                    // interface names are taken back as such (same bytes).
+                    let ifname = |k: super::ops::Key| match k {
+                        super::ops::Key::Addr(std::net::IpAddr::V6(a)) => {
+                            super::ops::Key::IfName(a.octets())
+                        }
+                        k => k,
+                    };
+                    if s.key_type == super::ops::TYPE_IFNAME {
+                        Content::Keys(keys.map(ifname).collect())
+                    } else {
+                        Content::Keys(keys.collect())
+                    }
                 };
                 contents.insert((table.clone(), s.name.clone()), content);
                 t.sets.insert(s.name.clone(), s);
@@ -462,7 +471,9 @@ impl Backend for Dataplane {
         let planning = Instant::now();
         if !std::mem::replace(&mut self.adopted, true) {
             let observed = self.observed.as_ref().expect("read above");
-            self.filter.adopt(observed, &self.own.chain_prefix);
+            let contents = self.contents.as_ref();
+            self.filter
+                .adopt(observed, contents, &self.own.chain_prefix);
         }
         self.filter
             .settle()

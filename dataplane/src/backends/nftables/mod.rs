@@ -50,7 +50,10 @@
 //! each workload's endpoint chains live in one of the shard tables
 //! `<prefix>-filter-<n>` (hooked at forward and input, priority 10), with
 //! copies of the policy and profile chains they jump to and of the IP
-//! sets those look up; filter's own dispatch only marks the packet
+//! sets those look up. There an endpoint chain is a policy list chain
+//! (`<prefix>tw-list-<hash>`, `fw-list-`), named by its rules: endpoints
+//! with the same policies and profiles in a shard (a deployment's
+//! replicas) share one; filter's own dispatch only marks the packet
 //! "pending" for the shard (and allowed, so filter goes on as Felix's
 //! would), the shard looks the interface up in a verdict map and applies
 //! the endpoint's policy (a drop in any table is final), and filter's end
@@ -74,14 +77,16 @@
 //! |---|---|---|
 //! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
 //! | policy or profile changed | its chain (and each shard's copy) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
-//! | endpoint added/removed | its chains and its shard's dispatch map; filter's dispatch chain | its shard's and filter's (small: dispatch and host endpoints) |
+//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them; filter's dispatch chain | its shard's and filter's (small: dispatch and host endpoints) |
+//! | endpoint's policies changed | its shard's dispatch map (a new map), a new list chain unless one like it is there, the old one unless shared | its shard's |
 //! | nothing changed (refresh, restart) | nothing | none |
 //!
 //! Every commit, whatever it holds, also costs the kernel a pass over
 //! every chain of every table in the namespace (`nf_tables_commit` makes
 //! each chain's next rule generation current, changed or not): 0.8 ms for
 //! a set element next to 30,000 chains in `bench/src/bin/nftables.rs`,
-//! 2–3 ms in the daemon at the policy benchmark's scale.
+//! 2–3 ms in the daemon at the policy benchmark's scale. Hence the shared
+//! policy list chains: fewer chains make every commit cheaper.
 //!
 //! One commit per apply for all tables of an IP version. Each table is
 //! planned from its changes alone (the chains whose rules changed, the

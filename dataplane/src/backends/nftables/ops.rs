@@ -11,7 +11,7 @@ const TYPE_IP6ADDR: u32 = 8;
 const TYPE_INET_PROTO: u32 = 12;
 const TYPE_INET_SERVICE: u32 = 13;
 const TYPE_BITS: u32 = 6;
-const TYPE_IFNAME: u32 = 41;
+pub(super) const TYPE_IFNAME: u32 = 41;
 
 /// An address family of nf_tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -82,6 +82,15 @@ impl Key {
         let n = name.len().min(15);
         b[..n].copy_from_slice(&name.as_bytes()[..n]);
         Self::IfName(b)
+    }
+
+    /// The interface name of an [`Key::IfName`].
+    pub fn as_ifname(&self) -> Option<String> {
+        let Self::IfName(b) = self else {
+            return None;
+        };
+        let n = b.iter().position(|c| *c == 0).unwrap_or(b.len());
+        std::str::from_utf8(&b[..n]).ok().map(str::to_string)
     }
 }
 

@@ -7,7 +7,15 @@
 //! - a workload's endpoint chains (`<prefix>-fw-<iface>`, `-tw-`) go to
 //!   one shard table (`<prefix>-filter-<n>`), with copies of the policy
 //!   and profile chains they jump to (and so of the IP sets those look
-//!   up). An interface stays in the shard it was first put in; a new one
+//!   up). In the shard an endpoint chain is named by its rules
+//!   (`<prefix>-tw-list-<hash>`: a policy list chain), and the endpoints
+//!   there with the same rules (the same policies and profiles) share it:
+//!   the kernel's commit passes over every chain in the namespace, so
+//!   10,000 replicas of a few deployments cost a few chains per shard, not
+//!   20,000. The chain goes with the last endpoint that uses it; one whose
+//!   policies change moves to the chain of its new rules. A restart finds
+//!   the interfaces where the shards' dispatch maps name them.
+//!   An interface stays in the shard it was first put in; a new one
 //!   goes to the shard its IP sets point at (endpoints whose policies look
 //!   up the same sets share a shard, so the sets are copied few times and
 //!   a policy change walks the few shards its endpoints are in), unless
@@ -34,7 +42,7 @@
 //! With fewer than 2 shards, or a mark mask without the two bits, nothing
 //! is routed: filter holds every chain as before.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::chains::{ChainTable, END};
 use crate::backends::desired::RuleTable;
@@ -101,8 +109,14 @@ struct Placement {
     /// Per shard: the chains copied from filter, and how many chains
     /// there jump to each.
     refs: Vec<HashMap<String, usize>>,
-    /// Per shard and direction: its interfaces.
-    members: Vec<[BTreeSet<String>; 2]>,
+    /// Per shard and direction: its interfaces, each with the chain its
+    /// dispatch goes to.
+    members: Vec<[BTreeMap<String, String>; 2]>,
+    /// Each endpoint chain's policy list chain (named by its rules).
+    lists: HashMap<String, String>,
+    /// Per shard: its policy list chains, and how many endpoint chains
+    /// each stands for.
+    users: Vec<HashMap<String, usize>>,
     /// Endpoint chains set or removed since the last [`Filter::settle`].
     dirty: BTreeSet<String>,
     /// Filter's chains set since then that a shard holds a copy of.
@@ -170,6 +184,8 @@ impl Filter {
             load: vec![0; n],
             refs: vec![HashMap::new(); n],
             members: vec![Default::default(); n],
+            lists: HashMap::new(),
+            users: vec![HashMap::new(); n],
             dirty: BTreeSet::new(),
             recopy: BTreeSet::new(),
             endpoints: HashMap::new(),
@@ -231,20 +247,43 @@ impl Filter {
     }
 
     /// Takes the shards a previous run put interfaces in from `observed`
-    /// (our tables as read), for those not placed yet: a restart that
-    /// finds them right writes nothing. Shards beyond the number now
-    /// configured are left to be emptied.
-    pub fn adopt(&mut self, observed: &super::plan::Observed, chain_prefix: &str) {
+    /// (our tables as read) and `contents` (their sets' and maps'
+    /// elements), for those not placed yet: a restart that finds them
+    /// right writes nothing. An interface is where a shard's dispatch map
+    /// names it (or, as an older layout had it, a chain is named after
+    /// it). Shards beyond the number now configured are left to be
+    /// emptied.
+    pub fn adopt(
+        &mut self,
+        observed: &super::plan::Observed,
+        contents: Option<&super::plan::Contents>,
+        chain_prefix: &str,
+    ) {
         let Some(l) = self.layout.as_mut() else {
             return;
         };
         for (s, t) in self.shards.iter().enumerate() {
-            let Some(obs) = observed.get(&super::plan::table_name(chain_prefix, t.table())) else {
+            let table = super::plan::table_name(chain_prefix, t.table());
+            let Some(obs) = observed.get(&table) else {
                 continue;
             };
             for name in obs.chains.keys() {
                 if let Some((_, iface)) = l.endpoint(name) {
                     l.placed.entry(iface.to_string()).or_insert(s);
+                }
+            }
+            let maps = obs
+                .sets
+                .keys()
+                .filter(|m| m.starts_with(super::translate::DISPATCH_MAP));
+            for map in maps {
+                let Some(super::plan::Content::Keys(keys)) =
+                    contents.and_then(|c| c.get(&(table.clone(), map.clone())))
+                else {
+                    continue;
+                };
+                for iface in keys.iter().filter_map(super::ops::Key::as_ifname) {
+                    l.placed.entry(iface).or_insert(s);
                 }
             }
         }
@@ -277,39 +316,42 @@ impl Filter {
             let iface = iface.to_string();
             match l.endpoints.get(&name).cloned() {
                 Some(rules) => {
+                    let mut body =
+                        vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.bit(dir)))];
+                    body.extend(rules);
+                    let list = l.list_chain(dir, &body);
                     let s = match l.placed.get(&iface) {
                         Some(s) => *s,
                         None => {
-                            let s = l.choose(&self.main, &rules);
+                            let s = l.choose(&self.main, &body);
                             l.placed.insert(iface.clone(), s);
                             s
                         }
                     };
-                    let mut body =
-                        vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.bit(dir)))];
-                    body.extend(rules);
                     let shard = &mut self.shards[s];
-                    let old: Vec<String> = shard
-                        .desired(&name)
-                        .map(|c| c.targets().map(str::to_string).collect())
-                        .unwrap_or_default();
-                    if let Err(e) = shard.set_chain(&name, body) {
-                        l.dirty.insert(name);
-                        refused.get_or_insert(e);
-                        continue;
+                    if !l.users[s].contains_key(&list) {
+                        if let Err(e) = shard.set_chain(&list, body) {
+                            l.dirty.insert(name);
+                            refused.get_or_insert(e);
+                            continue;
+                        }
+                        let targets: Vec<String> = shard
+                            .desired(&list)
+                            .map(|c| c.targets().map(str::to_string).collect())
+                            .unwrap_or_default();
+                        for t in &targets {
+                            add_ref(l, &self.main, shard, s, t);
+                        }
                     }
-                    let new: Vec<String> = shard
-                        .desired(&name)
-                        .map(|c| c.targets().map(str::to_string).collect())
-                        .unwrap_or_default();
-                    for t in &new {
-                        add_ref(l, &self.main, shard, s, t);
+                    *l.users[s].entry(list.clone()).or_insert(0) += 1;
+                    if let Some(old) = l.lists.insert(name.clone(), list.clone()) {
+                        release(l, shard, s, &old);
                     }
-                    for t in &old {
-                        drop_ref(l, shard, s, t);
-                    }
-                    if l.members[s][dir as usize].insert(iface.clone()) {
+                    let went = l.members[s][dir as usize].insert(iface.clone(), list.clone());
+                    if went.is_none() {
                         l.load[s] += 1;
+                    }
+                    if went.as_ref() != Some(&list) {
                         touched.insert(s);
                     }
                 }
@@ -317,20 +359,14 @@ impl Filter {
                     let Some(&s) = l.placed.get(&iface) else {
                         continue;
                     };
-                    let shard = &mut self.shards[s];
-                    let old: Vec<String> = shard
-                        .desired(&name)
-                        .map(|c| c.targets().map(str::to_string).collect())
-                        .unwrap_or_default();
-                    shard.remove_chain(&name);
-                    for t in &old {
-                        drop_ref(l, shard, s, t);
+                    if let Some(old) = l.lists.remove(&name) {
+                        release(l, &mut self.shards[s], s, &old);
                     }
-                    if l.members[s][dir as usize].remove(&iface) {
+                    if l.members[s][dir as usize].remove(&iface).is_some() {
                         l.load[s] -= 1;
                         touched.insert(s);
                     }
-                    if l.members[s].iter().all(|m| !m.contains(&iface)) {
+                    if l.members[s].iter().all(|m| !m.contains_key(&iface)) {
                         l.placed.remove(&iface);
                     }
                 }
@@ -358,6 +394,30 @@ impl Placement {
             Dir::From => format!("{}fw-pending-in-shards", self.chain_prefix),
             Dir::To => format!("{}tw-pending-in-shards", self.chain_prefix),
         }
+    }
+
+    /// The policy list chain for an endpoint chain of `body` in `dir`:
+    /// named by its rules, so endpoints with the same policies (a
+    /// deployment's replicas) share one chain in a shard, and a restart
+    /// finds the chain it would write. (The part after `fw-`/`tw-` is
+    /// longer than an interface name can be.)
+    fn list_chain(&self, dir: Dir, body: &[Rule]) -> String {
+        use sha2::Digest as _;
+        let mut h = sha2::Sha224::new();
+        for r in body {
+            h.update(r.text().as_bytes());
+            h.update(b"\n");
+        }
+        let kind = match dir {
+            Dir::From => "fw",
+            Dir::To => "tw",
+        };
+        let sum = h.finalize();
+        format!(
+            "{}{kind}-list-{}",
+            self.chain_prefix,
+            hex::encode(&sum[..8])
+        )
     }
 
     /// `(direction, interface)` of an endpoint chain's name.
@@ -394,7 +454,13 @@ impl Placement {
     /// The shard for a new interface whose endpoint chain is `rules`: the
     /// one the IP sets of the chains it jumps to point at, unless that
     /// one is a quarter fuller than the average (then the emptiest).
+    /// Endpoints with the same policies look up the same sets, so they
+    /// share a shard, and a policy list chain there, unless the load
+    /// spreads them (a list has at most one chain per shard).
     fn choose(&self, main: &ChainTable, rules: &[Rule]) -> usize {
+        let n = self.load.len();
+        let total: usize = self.load.iter().sum();
+        let cap = total / n + total / (4 * n) + 8;
         let mut sets: BTreeSet<&str> = BTreeSet::new();
         for t in rules.iter().filter_map(Rule::target) {
             if let Some(c) = main.desired(t) {
@@ -403,7 +469,6 @@ impl Placement {
                 }
             }
         }
-        let n = self.load.len();
         let preferred = if sets.is_empty() {
             None
         } else {
@@ -416,8 +481,6 @@ impl Placement {
             let d = h.finalize();
             Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")) as usize % n)
         };
-        let total: usize = self.load.iter().sum();
-        let cap = total / n + total / (4 * n) + 8;
         let emptiest = (0..n).min_by_key(|s| self.load[*s]).expect("shards");
         match preferred {
             Some(s) if self.load[s] < cap => s,
@@ -430,9 +493,9 @@ impl Placement {
         let mut forward = Vec::new();
         let mut input = Vec::new();
         for dir in [Dir::From, Dir::To] {
-            let (flag, chain, kind) = match dir {
-                Dir::From => ("-i", format!("{}from-wl-shard", self.chain_prefix), "fw"),
-                Dir::To => ("-o", format!("{}to-wl-shard", self.chain_prefix), "tw"),
+            let (flag, chain) = match dir {
+                Dir::From => ("-i", format!("{}from-wl-shard", self.chain_prefix)),
+                Dir::To => ("-o", format!("{}to-wl-shard", self.chain_prefix)),
             };
             let members = &self.members[s][dir as usize];
             if members.is_empty() {
@@ -441,7 +504,7 @@ impl Placement {
             }
             let mut rules: Vec<Rule> = members
                 .iter()
-                .map(|i| rule(&format!("{flag} {i} -g {}{kind}-{i}", self.chain_prefix)))
+                .map(|(i, list)| rule(&format!("{flag} {i} -g {list}")))
                 .collect();
             rules.push(rule("-j RETURN"));
             shard.set_chain(&chain, rules)?;
@@ -481,6 +544,27 @@ fn drop_ref(l: &mut Placement, shard: &mut ChainTable, s: usize, name: &str) {
         .map(|c| c.targets().map(str::to_string).collect())
         .unwrap_or_default();
     shard.remove_chain(name);
+    for t in &targets {
+        drop_ref(l, shard, s, t);
+    }
+}
+
+/// One endpoint chain fewer in shard `s` stands on policy list chain
+/// `list`; the last takes it (and what it alone jumped to) out.
+fn release(l: &mut Placement, shard: &mut ChainTable, s: usize, list: &str) {
+    let Some(n) = l.users[s].get_mut(list) else {
+        return;
+    };
+    *n -= 1;
+    if *n > 0 {
+        return;
+    }
+    l.users[s].remove(list);
+    let targets: Vec<String> = shard
+        .desired(list)
+        .map(|c| c.targets().map(str::to_string).collect())
+        .unwrap_or_default();
+    shard.remove_chain(list);
     for t in &targets {
         drop_ref(l, shard, s, t);
     }
@@ -624,6 +708,17 @@ mod tests {
         Filter::new(IpVersion::V4, Ownership::new("dph"), Marks::default(), n)
     }
 
+    /// The policy list chain `iface`'s ingress dispatch goes to, as
+    /// filter's shard holds it.
+    fn ingress<'a>(
+        f: &'a Filter,
+        iface: &str,
+    ) -> (&'a str, &'a super::super::chains::DesiredChain) {
+        let s = f.placement()[iface];
+        let list = f.layout.as_ref().unwrap().members[s][Dir::To as usize][iface].as_str();
+        (list, f.shards[s].desired(list).expect("in its shard"))
+    }
+
     /// Sets what the endpoints manager would for workloads `ifaces`, each
     /// with ingress policy `pol-<i>` looking up set `s<i % sets>`.
     fn workloads(f: &mut Filter, ifaces: &[&str], sets: usize) {
@@ -688,7 +783,12 @@ mod tests {
         assert_eq!(placed.len(), 40);
         for (i, iface) in names.iter().enumerate() {
             let s = &f.shards[placed[*iface]];
-            let tw = s.desired(&format!("dph-tw-{iface}")).expect("in its shard");
+            let (list, tw) = ingress(&f, iface);
+            assert!(list.starts_with("dph-tw-list-"), "{list}");
+            assert!(
+                s.desired(&format!("dph-tw-{iface}")).is_none(),
+                "one chain per policy list, not per interface"
+            );
             assert_eq!(
                 tw.rules[0].text(),
                 "-j MARK --set-xmark 0x0/0x800000",
@@ -831,13 +931,96 @@ mod tests {
         // A shard beyond those configured now: left to be emptied.
         observed.insert("dph-filter-9".to_string(), other);
         let mut f = filter(4);
-        f.adopt(&observed, "dph-");
-        workloads(&mut f, &["cali1", "cali2"], 1);
+        // A shard's dispatch map names cali5 (and cali1, placed already).
+        let mut t5 = crate::backends::nftables::plan::ObservedTable::default();
+        t5.sets.insert(
+            "dispatch-in-0123".to_string(),
+            crate::backends::nftables::ops::SetInfo {
+                name: "dispatch-in-0123".to_string(),
+                key_type: 41,
+                key_len: 16,
+                flags: 8,
+            },
+        );
+        observed.insert("dph-filter-1".to_string(), t5);
+        let contents: crate::backends::nftables::plan::Contents = [(
+            ("dph-filter-1".to_string(), "dispatch-in-0123".to_string()),
+            crate::backends::nftables::plan::Content::Keys(
+                ["cali5"]
+                    .map(crate::backends::nftables::ops::Key::ifname)
+                    .into(),
+            ),
+        )]
+        .into();
+        f.adopt(&observed, Some(&contents), "dph-");
+        workloads(&mut f, &["cali1", "cali2", "cali5"], 1);
         f.settle().unwrap();
         let placed = f.placement();
         assert_eq!(placed["cali1"], 3);
+        assert_eq!(placed["cali5"], 1);
         assert!(placed["cali2"] < 4);
-        assert!(f.shards[3].desired("dph-tw-cali1").is_some());
+        let (list, _) = ingress(&f, "cali1");
+        assert!(f.shards[3].desired(list).is_some());
+    }
+
+    /// Endpoints with the same policies share one policy list chain in a
+    /// shard; one whose policies change gets its own and leaves the
+    /// shared one to the others; the last to go takes the chain and the
+    /// copies only it jumped to.
+    #[test]
+    fn endpoints_with_the_same_policies_share_a_chain() {
+        let mut f = filter(4);
+        let same = |f: &mut Filter, iface: &str| {
+            f.set_chain(
+                &format!("dph-tw-{iface}"),
+                vec![r("-j dph-pi-pol-0"), r("-j DROP")],
+            )
+            .unwrap();
+        };
+        workloads(&mut f, &["cali0"], 1);
+        for i in ["cali0", "cali1", "cali2"] {
+            same(&mut f, i);
+        }
+        f.settle().unwrap();
+        let (shared, _) = ingress(&f, "cali0");
+        let shared = shared.to_string();
+        for i in ["cali1", "cali2"] {
+            assert_eq!(ingress(&f, i).0, shared, "{i} shares cali0's chain");
+        }
+        let s = f.placement()["cali0"];
+        let lists = |f: &Filter| {
+            f.shards[s]
+                .chains
+                .keys()
+                .filter(|c| c.starts_with("dph-tw-list-"))
+                .count()
+        };
+        assert_eq!(lists(&f), 1);
+        let d = &f.shards[s].desired("dph-to-wl-shard").unwrap();
+        let entries = &d.translated[0].dispatch.as_ref().unwrap().entries;
+        assert!(entries.iter().all(|(_, c)| *c == shared), "{entries:?}");
+        // cali1 changes: a chain of its own; the others keep theirs.
+        f.set_chain("dph-tw-cali1", vec![r("-j dph-pi-pol-0"), r("-j ACCEPT")])
+            .unwrap();
+        f.settle().unwrap();
+        assert_ne!(ingress(&f, "cali1").0, shared);
+        assert_eq!(ingress(&f, "cali2").0, shared);
+        assert_eq!(lists(&f), 2);
+        // cali0 and cali2 go: their chain goes with the last of them.
+        for i in ["cali0", "cali2"] {
+            f.remove_chain(&format!("dph-tw-{i}"));
+            f.settle().unwrap();
+            assert_eq!(f.shards[s].desired(&shared).is_some(), i == "cali0");
+        }
+        assert_eq!(lists(&f), 1);
+        assert!(
+            f.shards[s].desired("dph-pi-pol-0").is_some(),
+            "cali1 uses it"
+        );
+        f.remove_chain("dph-tw-cali1");
+        f.settle().unwrap();
+        assert_eq!(lists(&f), 0);
+        assert!(f.shards[s].desired("dph-pi-pol-0").is_none());
     }
 
     /// With one shard, or a mark mask without the pending bits, filter

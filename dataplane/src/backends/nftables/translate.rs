@@ -65,6 +65,9 @@ pub struct Translated {
     pub dispatch: Option<std::sync::Arc<Dispatch>>,
 }
 
+/// How a dispatch map's name starts.
+pub const DISPATCH_MAP: &str = "dispatch-";
+
 /// A dispatch chain (`-i <interface> -g <chain>` per interface, then
 /// `-j DROP` or `-j RETURN`) as one verdict-map lookup, `meta iifname
 /// vmap @<name>`, and that last rule: one hash lookup per packet where the
@@ -130,7 +133,7 @@ impl Dispatch {
         let sum = h.finalize();
         let hex = hex::encode(&sum[..8]);
         Some(Self {
-            name: format!("dispatch-{}-{hex}", if input { "in" } else { "out" }),
+            name: format!("{DISPATCH_MAP}{}-{hex}", if input { "in" } else { "out" }),
             input,
             entries,
             drop,
