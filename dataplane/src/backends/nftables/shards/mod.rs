@@ -1,0 +1,486 @@
+//! The filter table, sharded: workload policy spread over several small
+//! tables so that a commit which changes a rule walks one small table,
+//! not all of filter (the kernel validates the whole table a changed rule
+//! is in; see the module header of [`super`]).
+//!
+//! What the managers set in filter is routed here:
+//! - a workload's endpoint chains (`<prefix>-fw-<iface>`, `-tw-`) go to
+//!   one shard table (`<prefix>-filter-<n>`), with copies of the policy
+//!   and profile chains they jump to (and so of the IP sets those look
+//!   up). In the shard an endpoint chain is named by its rules
+//!   (`<prefix>-tw-list-<hash>`: a policy list chain), and the endpoints
+//!   there with the same rules (the same policies and profiles) share it:
+//!   the kernel's commit passes over every chain in the namespace, so
+//!   10,000 replicas of a few deployments cost a few chains per shard, not
+//!   20,000. The chain goes with the last endpoint that uses it; one whose
+//!   policies change moves to the chain of its new rules. A restart finds
+//!   the interfaces where the shards' dispatch maps name them.
+//!   An interface stays in the shard it was first put in; a new one
+//!   goes to the shard its IP sets point at (endpoints whose policies look
+//!   up the same sets share a shard, so the sets are copied few times and
+//!   a policy change walks the few shards its endpoints are in), unless
+//!   that shard is a quarter fuller than the average, then to the
+//!   emptiest;
+//! - everything else stays in filter, where the workload dispatch now
+//!   goes to one of two small chains instead of the endpoint's: they set
+//!   the endpoint's "allowed" mark (so filter goes on as if its policy had
+//!   allowed the packet) and a pending bit (`Marks::pending_from` /
+//!   `pending_to`), which filter's forward and input hooks clear first
+//!   (only its dispatch sets them);
+//! - each shard hooks `forward` and `input` after filter
+//!   ([`super::chains::SHARD_PRIORITY`]) and, for a packet with a pending bit, looks its
+//!   interface up in a verdict map of the shard's endpoints and goes to
+//!   the endpoint chain, which clears the bit first and then drops or
+//!   allows as it did in filter. A drop in any table is final; so is
+//!   filter's own: the packet passes only if filter and the shard both
+//!   let it;
+//! - filter's end check ([`super::chains::END_PRIORITY`]) drops a packet still marked
+//!   pending that is not part of an established flow: its shard was
+//!   missing (fail closed). An established packet may keep its ingress
+//!   bit: its egress chain accepted it first, as filter would have.
+//!
+//! With fewer than 2 shards, or a mark mask without the two bits, nothing
+//! is routed: filter holds every chain as before.
+
+mod copies;
+mod placement;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use copies::{add_ref, copy, release, targets};
+
+use super::chains::{ChainTable, END};
+use crate::backends::desired::RuleTable;
+use crate::backends::iptables::{Ownership, Rule, RuleError};
+use crate::model::IpVersion;
+use crate::rules::Marks;
+
+/// Most shard tables (their names are static).
+pub const MAX_SHARDS: usize = 32;
+
+const SHARD_NAMES: [&str; MAX_SHARDS] = [
+    "filter-0",
+    "filter-1",
+    "filter-2",
+    "filter-3",
+    "filter-4",
+    "filter-5",
+    "filter-6",
+    "filter-7",
+    "filter-8",
+    "filter-9",
+    "filter-10",
+    "filter-11",
+    "filter-12",
+    "filter-13",
+    "filter-14",
+    "filter-15",
+    "filter-16",
+    "filter-17",
+    "filter-18",
+    "filter-19",
+    "filter-20",
+    "filter-21",
+    "filter-22",
+    "filter-23",
+    "filter-24",
+    "filter-25",
+    "filter-26",
+    "filter-27",
+    "filter-28",
+    "filter-29",
+    "filter-30",
+    "filter-31",
+];
+
+/// Egress (from the workload) or ingress (to it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Dir {
+    From,
+    To,
+}
+
+/// How the chains are spread, when they are.
+#[derive(Debug, Clone)]
+struct Placement {
+    chain_prefix: String,
+    from_bit: u32,
+    to_bit: u32,
+    accept: u32,
+    /// Each workload interface's shard.
+    placed: HashMap<String, usize>,
+    /// Endpoint chains per shard.
+    load: Vec<usize>,
+    /// Per shard: the chains copied from filter, and how many chains
+    /// there jump to each.
+    refs: Vec<HashMap<String, usize>>,
+    /// Per shard and direction: its interfaces, each with the chain its
+    /// dispatch goes to.
+    members: Vec<[BTreeMap<String, String>; 2]>,
+    /// Each endpoint chain's policy list chain (named by its rules).
+    lists: HashMap<String, String>,
+    /// Per shard: its policy list chains, and how many endpoint chains
+    /// each stands for.
+    users: Vec<HashMap<String, usize>>,
+    /// Endpoint chains set or removed since the last [`Filter::settle`].
+    dirty: BTreeSet<String>,
+    /// Filter's chains set since then that a shard holds a copy of.
+    recopy: BTreeSet<String>,
+    /// The endpoint chains as the managers set them.
+    endpoints: HashMap<String, Vec<Rule>>,
+    /// The workload dispatch chains as the managers set them (filter
+    /// holds them redirected).
+    dispatch: HashMap<String, Vec<Rule>>,
+}
+
+/// How workload policy is spread: over `shards` tables, with the pending
+/// bits of `marks`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ShardLayout {
+    pub marks: Marks,
+    pub shards: usize,
+}
+
+/// The filter table of one IP version: filter itself and its shards.
+#[derive(Debug, Clone)]
+pub struct Filter {
+    pub main: ChainTable,
+    pub shards: Vec<ChainTable>,
+    layout: Option<Placement>,
+}
+
+fn rule(text: &str) -> Rule {
+    Rule::parse(text).expect("a rule of our own tokens")
+}
+
+/// `-m mark --mark <bit>/<bit> <tail>`.
+fn on_bit(bit: u32, tail: &str) -> Rule {
+    rule(&format!("-m mark --mark {bit:#x}/{bit:#x} {tail}"))
+}
+
+impl Filter {
+    /// `shards` tables (at most [`MAX_SHARDS`]) when `marks` has the
+    /// pending bits; else filter alone.
+    pub fn new(version: IpVersion, own: Ownership, marks: Marks, shards: usize) -> Self {
+        let n = shards.min(MAX_SHARDS);
+        let sharded = n >= 2 && marks.pending_from != 0 && marks.pending_to != 0;
+        let mut f = Self {
+            main: ChainTable::new("filter", version, own.clone()),
+            shards: Vec::new(),
+            layout: None,
+        };
+        if !sharded {
+            return f;
+        }
+        // Each set where its users are; filter holds only those no shard
+        // uses (a copy of the others would be one more of a million
+        // members).
+        f.main.spare_sets_only = true;
+        f.shards = SHARD_NAMES[..n]
+            .iter()
+            .map(|t| ChainTable::new(t, version, own.clone()).with_maps())
+            .collect();
+        let layout = Placement {
+            chain_prefix: own.chain_prefix.clone(),
+            from_bit: marks.pending_from,
+            to_bit: marks.pending_to,
+            accept: marks.accept,
+            placed: HashMap::new(),
+            load: vec![0; n],
+            refs: vec![HashMap::new(); n],
+            members: vec![Default::default(); n],
+            lists: HashMap::new(),
+            users: vec![HashMap::new(); n],
+            dirty: BTreeSet::new(),
+            recopy: BTreeSet::new(),
+            endpoints: HashMap::new(),
+            dispatch: HashMap::new(),
+        };
+        // The two chains filter's dispatch goes to, and its end check.
+        for dir in [Dir::From, Dir::To] {
+            let bits = layout.bit(dir) | layout.accept;
+            let stub = layout.stub(dir);
+            f.main
+                .set_chain(
+                    &stub,
+                    vec![rule(&format!("-j MARK --set-xmark {bits:#x}/{bits:#x}"))],
+                )
+                .expect("the pending chain is valid");
+            f.main.force(&stub);
+        }
+        let established = rule("-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT");
+        let forward = vec![
+            established.clone(),
+            on_bit(layout.from_bit, "-j DROP"),
+            on_bit(layout.to_bit, "-j DROP"),
+        ];
+        let input = vec![established, on_bit(layout.from_bit, "-j DROP")];
+        f.main
+            .set_hooks(&format!("FORWARD{END}"), forward)
+            .expect("the end check is valid");
+        f.main
+            .set_hooks(&format!("INPUT{END}"), input)
+            .expect("the end check is valid");
+        f.layout = Some(layout);
+        f
+    }
+
+    /// Every table: filter, then the shards.
+    pub fn tables(&self) -> impl Iterator<Item = &ChainTable> {
+        std::iter::once(&self.main).chain(&self.shards)
+    }
+
+    pub fn tables_mut(&mut self) -> impl Iterator<Item = &mut ChainTable> {
+        std::iter::once(&mut self.main).chain(&mut self.shards)
+    }
+
+    /// Something is still to be written.
+    pub fn changed(&self) -> bool {
+        self.tables().any(|t| t.changed)
+            || self
+                .layout
+                .as_ref()
+                .is_some_and(|l| !l.dirty.is_empty() || !l.recopy.is_empty())
+    }
+
+    /// The shard of each workload interface placed so far.
+    pub fn placement(&self) -> HashMap<String, usize> {
+        self.layout
+            .as_ref()
+            .map(|l| l.placed.clone())
+            .unwrap_or_default()
+    }
+
+    /// Takes the shards a previous run put interfaces in from `observed`
+    /// (our tables as read) and `contents` (their sets' and maps'
+    /// elements), for those not placed yet: a restart that finds them
+    /// right writes nothing. An interface is where a shard's dispatch map
+    /// names it (or, as an older layout had it, a chain is named after
+    /// it). Shards beyond the number now configured are left to be
+    /// emptied.
+    pub fn adopt(
+        &mut self,
+        observed: &super::plan::Observed,
+        contents: Option<&super::plan::Contents>,
+        chain_prefix: &str,
+    ) {
+        let Some(l) = self.layout.as_mut() else {
+            return;
+        };
+        for (s, t) in self.shards.iter().enumerate() {
+            let table = super::plan::table_name(chain_prefix, t.table());
+            let Some(obs) = observed.get(&table) else {
+                continue;
+            };
+            for name in obs.chains.keys() {
+                if let Some((_, iface)) = l.endpoint(name) {
+                    l.placed.entry(iface.to_string()).or_insert(s);
+                }
+            }
+            let maps = obs
+                .sets
+                .keys()
+                .filter(|m| m.starts_with(super::translate::DISPATCH_MAP));
+            for map in maps {
+                let Some(super::plan::Content::Keys(keys)) =
+                    contents.and_then(|c| c.get(&(table.clone(), map.clone())))
+                else {
+                    continue;
+                };
+                for iface in keys.iter().filter_map(super::ops::Key::as_ifname) {
+                    l.placed.entry(iface).or_insert(s);
+                }
+            }
+        }
+    }
+
+    /// Puts the endpoint chains set since the last call into their shards
+    /// (now that the policies they jump to are set too: a new interface
+    /// is placed by the IP sets those look up), and refreshes the copies
+    /// of filter's chains the shards hold. Called before each plan.
+    pub fn settle(&mut self) -> Result<(), RuleError> {
+        let Some(l) = self.layout.as_mut() else {
+            return Ok(());
+        };
+        let dirty = std::mem::take(&mut l.dirty);
+        let recopy = std::mem::take(&mut l.recopy);
+        // Copies first: an endpoint placed below copies what filter holds.
+        for name in recopy {
+            for s in 0..self.shards.len() {
+                if l.refs[s].contains_key(&name) {
+                    copy(l, &self.main, &mut self.shards[s], s, &name);
+                }
+            }
+        }
+        let mut touched: BTreeSet<usize> = BTreeSet::new();
+        // A chain a shard refuses stays dirty (tried again at the next
+        // settle) and the others still go in; the first refusal is returned.
+        let mut refused: Option<RuleError> = None;
+        for name in dirty {
+            let (dir, iface) = l.endpoint(&name).expect("only endpoint chains are dirty");
+            let iface = iface.to_string();
+            match l.endpoints.get(&name).cloned() {
+                Some(rules) => {
+                    let mut body =
+                        vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.bit(dir)))];
+                    body.extend(rules);
+                    let list = l.list_chain(dir, &body);
+                    let s = match l.placed.get(&iface) {
+                        Some(s) => *s,
+                        None => {
+                            let s = l.choose(&self.main, &body);
+                            l.placed.insert(iface.clone(), s);
+                            s
+                        }
+                    };
+                    let shard = &mut self.shards[s];
+                    if !l.users[s].contains_key(&list) {
+                        if let Err(e) = shard.set_chain(&list, body) {
+                            l.dirty.insert(name);
+                            refused.get_or_insert(e);
+                            continue;
+                        }
+                        for t in &targets(shard, &list) {
+                            add_ref(l, &self.main, shard, s, t);
+                        }
+                    }
+                    *l.users[s].entry(list.clone()).or_insert(0) += 1;
+                    if let Some(old) = l.lists.insert(name.clone(), list.clone()) {
+                        release(l, shard, s, &old);
+                    }
+                    let went = l.members[s][dir as usize].insert(iface.clone(), list.clone());
+                    if went.is_none() {
+                        l.load[s] += 1;
+                    }
+                    if went.as_ref() != Some(&list) {
+                        touched.insert(s);
+                    }
+                }
+                None => {
+                    let Some(&s) = l.placed.get(&iface) else {
+                        continue;
+                    };
+                    if let Some(old) = l.lists.remove(&name) {
+                        release(l, &mut self.shards[s], s, &old);
+                    }
+                    if l.members[s][dir as usize].remove(&iface).is_some() {
+                        l.load[s] -= 1;
+                        touched.insert(s);
+                    }
+                    if l.members[s].iter().all(|m| !m.contains_key(&iface)) {
+                        l.placed.remove(&iface);
+                    }
+                }
+            }
+        }
+        for s in touched {
+            l.dispatch(&mut self.shards[s], s)?;
+        }
+        refused.map_or(Ok(()), Err)
+    }
+}
+
+impl RuleTable for Filter {
+    fn table(&self) -> &'static str {
+        "filter"
+    }
+
+    fn version(&self) -> IpVersion {
+        self.main.version()
+    }
+
+    fn set_chain(&mut self, name: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        let Some(l) = self.layout.as_mut() else {
+            return self.main.set_chain(name, rules);
+        };
+        if l.endpoint(name).is_some() {
+            if l.endpoints.get(name) != Some(&rules) {
+                // Checked now (a rule that cannot be translated is refused
+                // here, as filter would refuse it), placed at the next plan.
+                self.main.build(name, rules.clone())?;
+                l.endpoints.insert(name.to_string(), rules);
+                l.dirty.insert(name.to_string());
+            }
+            return Ok(());
+        }
+        if l.is_dispatch(name) {
+            // The managers set every dispatch chain on each endpoint
+            // change; one as they last set it is left alone (not
+            // rewritten rule by rule first to be found equal). Kept only
+            // once filter took it.
+            if l.dispatch.get(name) == Some(&rules) {
+                return Ok(());
+            }
+            let redirected = rules.iter().map(|r| l.redirect(r.clone())).collect();
+            self.main.set_chain(name, redirected)?;
+            l.dispatch.insert(name.to_string(), rules);
+        } else {
+            self.main.set_chain(name, rules)?;
+        }
+        if l.refs.iter().any(|r| r.contains_key(name)) {
+            l.recopy.insert(name.to_string());
+        }
+        Ok(())
+    }
+
+    fn remove_chain(&mut self, name: &str) {
+        let Some(l) = self.layout.as_mut() else {
+            return self.main.remove_chain(name);
+        };
+        if l.endpoint(name).is_some() {
+            if l.endpoints.remove(name).is_some() {
+                l.dirty.insert(name.to_string());
+            }
+            return;
+        }
+        l.dispatch.remove(name);
+        self.main.remove_chain(name);
+    }
+
+    fn force(&mut self, name: &str) {
+        self.main.force(name)
+    }
+
+    fn set_hooks(&mut self, builtin: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
+        // Sharded, a packet enters forward and input with no pending bit
+        // (whatever set one before): only filter's dispatch sets them.
+        let rules = match &self.layout {
+            Some(l) if !rules.is_empty() && matches!(builtin, "FORWARD" | "INPUT") => {
+                let bits = l.from_bit | l.to_bit;
+                let mut all = vec![rule(&format!("-j MARK --set-xmark 0x0/{bits:#x}"))];
+                all.extend(rules);
+                all
+            }
+            _ => rules,
+        };
+        self.main.set_hooks(builtin, rules)
+    }
+
+    fn chain(&self, name: &str) -> Option<&[Rule]> {
+        match &self.layout {
+            Some(l) if l.endpoint(name).is_some() => l.endpoints.get(name).map(Vec::as_slice),
+            _ => self.main.chain(name),
+        }
+    }
+
+    fn hooks(&self, builtin: &str) -> &[Rule] {
+        let hooks = self.main.hooks(builtin);
+        match &self.layout {
+            // The managers' rules, without the clearing of the pending
+            // bits put before them.
+            Some(_) if matches!(builtin, "FORWARD" | "INPUT") && !hooks.is_empty() => &hooks[1..],
+            _ => hooks,
+        }
+    }
+
+    fn programmed(&self) -> BTreeSet<String> {
+        let mut out = self.main.programmed();
+        if let Some(l) = &self.layout {
+            out.extend(l.endpoints.keys().cloned());
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

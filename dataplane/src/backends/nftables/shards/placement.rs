@@ -1,0 +1,149 @@
+//! Where a workload's chains go: its shard, its policy list chain's name,
+//! and each shard's dispatch.
+
+use std::collections::BTreeSet;
+
+use super::{Dir, Placement, on_bit, rule};
+use crate::backends::desired::RuleTable;
+use crate::backends::iptables::{Rule, RuleError};
+use crate::backends::nftables::chains::ChainTable;
+
+impl Placement {
+    pub(super) fn bit(&self, dir: Dir) -> u32 {
+        match dir {
+            Dir::From => self.from_bit,
+            Dir::To => self.to_bit,
+        }
+    }
+
+    /// The chain filter's dispatch goes to for a workload in `dir` (no
+    /// interface name, at most 15 bytes, can make it).
+    pub(super) fn stub(&self, dir: Dir) -> String {
+        match dir {
+            Dir::From => format!("{}fw-pending-in-shards", self.chain_prefix),
+            Dir::To => format!("{}tw-pending-in-shards", self.chain_prefix),
+        }
+    }
+
+    /// The policy list chain for an endpoint chain of `body` in `dir`:
+    /// named by its rules, so endpoints with the same policies (a
+    /// deployment's replicas) share one chain in a shard, and a restart
+    /// finds the chain it would write. (The part after `fw-`/`tw-` is
+    /// longer than an interface name can be.)
+    pub(super) fn list_chain(&self, dir: Dir, body: &[Rule]) -> String {
+        use sha2::Digest as _;
+        let mut h = sha2::Sha224::new();
+        for r in body {
+            h.update(r.text().as_bytes());
+            h.update(b"\n");
+        }
+        let kind = match dir {
+            Dir::From => "fw",
+            Dir::To => "tw",
+        };
+        let sum = h.finalize();
+        format!(
+            "{}{kind}-list-{}",
+            self.chain_prefix,
+            hex::encode(&sum[..8])
+        )
+    }
+
+    /// `(direction, interface)` of an endpoint chain's name.
+    pub(super) fn endpoint<'a>(&self, name: &'a str) -> Option<(Dir, &'a str)> {
+        let rest = name.strip_prefix(&self.chain_prefix)?;
+        let (dir, iface) = if let Some(i) = rest.strip_prefix("fw-") {
+            (Dir::From, i)
+        } else if let Some(i) = rest.strip_prefix("tw-") {
+            (Dir::To, i)
+        } else {
+            return None;
+        };
+        // The pending chains are filter's own.
+        (iface.len() <= 15 && !iface.is_empty()).then_some((dir, iface))
+    }
+
+    /// Whether `name` is a workload dispatch chain of filter's.
+    pub(super) fn is_dispatch(&self, name: &str) -> bool {
+        name.strip_prefix(&self.chain_prefix)
+            .is_some_and(|r| r.starts_with("from-wl-dispatch") || r.starts_with("to-wl-dispatch"))
+    }
+
+    /// A dispatch rule going to an endpoint chain goes to the pending
+    /// chain instead.
+    pub(super) fn redirect(&self, r: Rule) -> Rule {
+        let Some((dir, _)) = r.target().and_then(|t| self.endpoint(t)) else {
+            return r;
+        };
+        let text = r.text();
+        let at = text.rfind(' ').map_or(0, |i| i + 1);
+        rule(&format!("{}{}", &text[..at], self.stub(dir)))
+    }
+
+    /// The shard for a new interface whose endpoint chain is `rules`: the
+    /// one the IP sets of the chains it jumps to point at, unless that
+    /// one is a quarter fuller than the average (then the emptiest).
+    /// Endpoints with the same policies look up the same sets, so they
+    /// share a shard, and a policy list chain there, unless the load
+    /// spreads them (a list has at most one chain per shard).
+    pub(super) fn choose(&self, main: &ChainTable, rules: &[Rule]) -> usize {
+        let n = self.load.len();
+        let total: usize = self.load.iter().sum();
+        let cap = total / n + total / (4 * n) + 8;
+        let mut sets: BTreeSet<&str> = BTreeSet::new();
+        for t in rules.iter().filter_map(Rule::target) {
+            if let Some(c) = main.desired(t) {
+                for tr in &c.translated {
+                    sets.extend(tr.sets.iter().map(String::as_str));
+                }
+            }
+        }
+        let preferred = if sets.is_empty() {
+            None
+        } else {
+            use sha2::Digest as _;
+            let mut h = sha2::Sha224::new();
+            for s in &sets {
+                h.update(s.as_bytes());
+                h.update(b"\n");
+            }
+            let d = h.finalize();
+            Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")) as usize % n)
+        };
+        let emptiest = (0..n).min_by_key(|s| self.load[*s]).expect("shards");
+        match preferred {
+            Some(s) if self.load[s] < cap => s,
+            _ => emptiest,
+        }
+    }
+
+    /// Shard `s`'s dispatch chains and hooks, from its interfaces.
+    pub(super) fn dispatch(&self, shard: &mut ChainTable, s: usize) -> Result<(), RuleError> {
+        let mut forward = Vec::new();
+        let mut input = Vec::new();
+        for dir in [Dir::From, Dir::To] {
+            let (flag, chain) = match dir {
+                Dir::From => ("-i", format!("{}from-wl-shard", self.chain_prefix)),
+                Dir::To => ("-o", format!("{}to-wl-shard", self.chain_prefix)),
+            };
+            let members = &self.members[s][dir as usize];
+            if members.is_empty() {
+                shard.remove_chain(&chain);
+                continue;
+            }
+            let mut rules: Vec<Rule> = members
+                .iter()
+                .map(|(i, list)| rule(&format!("{flag} {i} -g {list}")))
+                .collect();
+            rules.push(rule("-j RETURN"));
+            shard.set_chain(&chain, rules)?;
+            let hook = on_bit(self.bit(dir), &format!("-j {chain}"));
+            if dir == Dir::From {
+                input.push(hook.clone());
+            }
+            forward.push(hook);
+        }
+        shard.set_hooks("FORWARD", forward)?;
+        shard.set_hooks("INPUT", input)
+    }
+}

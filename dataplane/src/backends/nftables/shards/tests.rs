@@ -1,0 +1,348 @@
+//! The shard layout, on its own (no kernel).
+
+use super::*;
+
+fn r(s: &str) -> Rule {
+    Rule::parse(s).unwrap()
+}
+
+fn filter(n: usize) -> Filter {
+    Filter::new(IpVersion::V4, Ownership::new("dph"), Marks::default(), n)
+}
+
+/// The policy list chain `iface`'s ingress dispatch goes to, as
+/// filter's shard holds it.
+fn ingress<'a>(f: &'a Filter, iface: &str) -> (&'a str, &'a super::super::chains::DesiredChain) {
+    let s = f.placement()[iface];
+    let list = f.layout.as_ref().unwrap().members[s][Dir::To as usize][iface].as_str();
+    (list, f.shards[s].desired(list).expect("in its shard"))
+}
+
+/// Sets what the endpoints manager would for workloads `ifaces`, each
+/// with ingress policy `pol-<i>` looking up set `s<i % sets>`.
+fn workloads(f: &mut Filter, ifaces: &[&str], sets: usize) {
+    let mut from = Vec::new();
+    let mut to = Vec::new();
+    for (i, iface) in ifaces.iter().enumerate() {
+        let pol = format!("dph-pi-pol-{i}");
+        f.set_chain(
+            &pol,
+            vec![r(&format!(
+                "-m set --match-set dph-s{} src -j MARK --set-xmark 0x10000/0x10000",
+                i % sets
+            ))],
+        )
+        .unwrap();
+        f.set_chain(
+            &format!("dph-tw-{iface}"),
+            vec![
+                r("-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"),
+                r(&format!("-j {pol}")),
+                r("-j DROP"),
+            ],
+        )
+        .unwrap();
+        f.set_chain(&format!("dph-fw-{iface}"), vec![r("-j DROP")])
+            .unwrap();
+        from.push(r(&format!("-i {iface} -g dph-fw-{iface}")));
+        to.push(r(&format!("-o {iface} -g dph-tw-{iface}")));
+    }
+    from.push(r("-j DROP"));
+    to.push(r("-j DROP"));
+    f.set_chain("dph-from-wl-dispatch", from).unwrap();
+    f.set_chain("dph-to-wl-dispatch", to).unwrap();
+    f.set_hooks(
+        "FORWARD",
+        vec![
+            r("-i cali+ -j dph-from-wl-dispatch"),
+            r("-o cali+ -j dph-to-wl-dispatch"),
+        ],
+    )
+    .unwrap();
+}
+
+/// Endpoint chains go to shards with copies of what they jump to;
+/// filter's dispatch goes to the pending chains; each shard hooks
+/// forward and input behind a pending bit and dispatches by map.
+#[test]
+fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
+    let mut f = filter(4);
+    let ifaces: Vec<String> = (0..40).map(|i| format!("cali{i}")).collect();
+    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    workloads(&mut f, &names, 4);
+    f.settle().unwrap();
+    assert!(
+        f.main.desired("dph-tw-cali1").is_none(),
+        "endpoint chains leave filter"
+    );
+    let dispatch = &f.main.desired("dph-to-wl-dispatch").unwrap().rules;
+    assert_eq!(dispatch[0].text(), "-o cali0 -g dph-tw-pending-in-shards");
+    assert_eq!(dispatch.last().unwrap().text(), "-j DROP");
+    let placed = f.placement();
+    assert_eq!(placed.len(), 40);
+    for (i, iface) in names.iter().enumerate() {
+        let s = &f.shards[placed[*iface]];
+        let (list, tw) = ingress(&f, iface);
+        assert!(list.starts_with("dph-tw-list-"), "{list}");
+        assert!(
+            s.desired(&format!("dph-tw-{iface}")).is_none(),
+            "one chain per policy list, not per interface"
+        );
+        assert_eq!(
+            tw.rules[0].text(),
+            "-j MARK --set-xmark 0x0/0x800000",
+            "the ingress pending bit cleared first"
+        );
+        assert!(
+            s.desired(&format!("dph-pi-pol-{i}")).is_some(),
+            "its policy copied"
+        );
+        assert!(s.reachable().contains(format!("dph-pi-pol-{i}").as_str()));
+    }
+    // Same sets, same shard (the load allowing): 4 set groups over 4
+    // shards put the 40 endpoints in at most 4 shards, each holding
+    // the sets of one or two groups.
+    let used: BTreeSet<usize> = placed.values().copied().collect();
+    assert!(used.len() <= 4, "{placed:?}");
+    for s in &used {
+        let sh = &f.shards[*s];
+        let hooks = &sh.hooks["FORWARD"].rules;
+        assert_eq!(
+            hooks.iter().map(Rule::text).collect::<Vec<_>>(),
+            [
+                "-m mark --mark 0x400000/0x400000 -j dph-from-wl-shard",
+                "-m mark --mark 0x800000/0x800000 -j dph-to-wl-shard"
+            ]
+        );
+        assert_eq!(sh.hooks["INPUT"].rules.len(), 1);
+        let d = sh.desired("dph-to-wl-shard").unwrap();
+        assert!(d.translated[0].dispatch.is_some(), "a verdict map");
+        assert_eq!(d.rules.last().unwrap().text(), "-j RETURN");
+    }
+    // Filter's forward hook clears the pending bits before anything.
+    let fwd = &f.main.hooks["FORWARD"].rules;
+    assert_eq!(fwd[0].text(), "-j MARK --set-xmark 0x0/0xc00000");
+    assert_eq!(fwd[1].text(), "-i cali+ -j dph-from-wl-dispatch");
+    assert_eq!(RuleTable::hooks(&f, "FORWARD").len(), 2);
+    // A policy changed in filter is copied again where it is used.
+    f.set_chain(
+        "dph-pi-pol-3",
+        vec![r("-m set --match-set dph-s3 src -j DROP")],
+    )
+    .unwrap();
+    f.settle().unwrap();
+    let s = &f.shards[placed["cali3"]];
+    assert_eq!(
+        s.desired("dph-pi-pol-3").unwrap().rules[0].text(),
+        "-m set --match-set dph-s3 src -j DROP"
+    );
+    // Endpoints removed take their copies, dispatch entries and, last,
+    // the shard's hooks with them.
+    let shard3 = placed["cali3"];
+    let here: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|i| placed[*i] == shard3)
+        .collect();
+    for i in &here {
+        f.remove_chain(&format!("dph-tw-{i}"));
+        f.remove_chain(&format!("dph-fw-{i}"));
+    }
+    f.settle().unwrap();
+    let s = &f.shards[shard3];
+    assert!(
+        s.chains.is_empty(),
+        "{:?}",
+        s.chains.keys().collect::<Vec<_>>()
+    );
+    assert!(s.hooks.is_empty());
+    assert!(!f.placement().contains_key(here[0]));
+}
+
+/// A dispatch chain filter refused is refused again when set again
+/// (not skipped as "as last set"), and one it took is then left alone.
+#[test]
+fn a_refused_dispatch_chain_is_not_remembered() {
+    let mut f = filter(4);
+    workloads(&mut f, &["cali0"], 1);
+    let bad = vec![r("-o cali0 -j REJECT")];
+    assert!(f.set_chain("dph-to-wl-dispatch", bad.clone()).is_err());
+    assert!(
+        f.set_chain("dph-to-wl-dispatch", bad).is_err(),
+        "refused again, not taken as already set"
+    );
+    let good = vec![r("-o cali0 -g dph-tw-cali0"), r("-j DROP")];
+    f.set_chain("dph-to-wl-dispatch", good.clone()).unwrap();
+    f.settle().unwrap();
+    let d = &f.main.desired("dph-to-wl-dispatch").unwrap().rules;
+    assert_eq!(d[0].text(), "-o cali0 -g dph-tw-pending-in-shards");
+    f.set_chain("dph-to-wl-dispatch", good).unwrap();
+}
+
+/// A new interface does not go to a shard a quarter fuller than the
+/// average; an interface stays where it was put.
+#[test]
+fn placement_is_balanced_and_sticky() {
+    let mut f = filter(4);
+    let ifaces: Vec<String> = (0..200).map(|i| format!("cali{i}")).collect();
+    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    // One set for all: affinity alone would put all in one shard.
+    workloads(&mut f, &names, 1);
+    f.settle().unwrap();
+    let l = f.layout.as_ref().unwrap();
+    let max = *l.load.iter().max().unwrap();
+    assert!(max <= 400 / 4 + 400 / 16 + 8 + 1, "{:?}", l.load);
+    let before = f.placement();
+    f.set_chain("dph-tw-cali7", vec![r("-j dph-pi-pol-9"), r("-j DROP")])
+        .unwrap();
+    f.settle().unwrap();
+    assert_eq!(f.placement()["cali7"], before["cali7"]);
+    let s = &f.shards[before["cali7"]];
+    assert!(s.desired("dph-pi-pol-9").is_some());
+    assert!(
+        s.desired("dph-pi-pol-7").is_none()
+            || placed_elsewhere_uses(&f, "dph-pi-pol-7", before["cali7"]),
+        "the copy nothing in the shard jumps to any more is gone"
+    );
+}
+
+fn placed_elsewhere_uses(f: &Filter, chain: &str, s: usize) -> bool {
+    f.shards[s]
+        .chains
+        .values()
+        .any(|c| c.targets().any(|t| t == chain))
+}
+
+/// A restart takes the shards the kernel's tables show (where it put
+/// the interfaces before), whatever it would choose now.
+#[test]
+fn placement_is_adopted_from_the_tables_read() {
+    let mut observed = crate::backends::nftables::plan::Observed::new();
+    let mut t = crate::backends::nftables::plan::ObservedTable::default();
+    for c in ["dph-tw-cali1", "dph-fw-cali1", "dph-fw-pending-in-shards"] {
+        t.chains.insert(c.to_string(), Default::default());
+    }
+    observed.insert("dph-filter-3".to_string(), t);
+    let mut other = crate::backends::nftables::plan::ObservedTable::default();
+    other
+        .chains
+        .insert("dph-tw-cali2".to_string(), Default::default());
+    // A shard beyond those configured now: left to be emptied.
+    observed.insert("dph-filter-9".to_string(), other);
+    let mut f = filter(4);
+    // A shard's dispatch map names cali5 (and cali1, placed already).
+    let mut t5 = crate::backends::nftables::plan::ObservedTable::default();
+    t5.sets.insert(
+        "dispatch-in-0123".to_string(),
+        crate::backends::nftables::ops::SetInfo {
+            name: "dispatch-in-0123".to_string(),
+            key_type: 41,
+            key_len: 16,
+            flags: 8,
+        },
+    );
+    observed.insert("dph-filter-1".to_string(), t5);
+    let contents: crate::backends::nftables::plan::Contents = [(
+        ("dph-filter-1".to_string(), "dispatch-in-0123".to_string()),
+        crate::backends::nftables::plan::Content::Keys(
+            ["cali5"]
+                .map(crate::backends::nftables::ops::Key::ifname)
+                .into(),
+        ),
+    )]
+    .into();
+    f.adopt(&observed, Some(&contents), "dph-");
+    workloads(&mut f, &["cali1", "cali2", "cali5"], 1);
+    f.settle().unwrap();
+    let placed = f.placement();
+    assert_eq!(placed["cali1"], 3);
+    assert_eq!(placed["cali5"], 1);
+    assert!(placed["cali2"] < 4);
+    let (list, _) = ingress(&f, "cali1");
+    assert!(f.shards[3].desired(list).is_some());
+}
+
+/// Endpoints with the same policies share one policy list chain in a
+/// shard; one whose policies change gets its own and leaves the
+/// shared one to the others; the last to go takes the chain and the
+/// copies only it jumped to.
+#[test]
+fn endpoints_with_the_same_policies_share_a_chain() {
+    let mut f = filter(4);
+    let same = |f: &mut Filter, iface: &str| {
+        f.set_chain(
+            &format!("dph-tw-{iface}"),
+            vec![r("-j dph-pi-pol-0"), r("-j DROP")],
+        )
+        .unwrap();
+    };
+    workloads(&mut f, &["cali0"], 1);
+    for i in ["cali0", "cali1", "cali2"] {
+        same(&mut f, i);
+    }
+    f.settle().unwrap();
+    let (shared, _) = ingress(&f, "cali0");
+    let shared = shared.to_string();
+    for i in ["cali1", "cali2"] {
+        assert_eq!(ingress(&f, i).0, shared, "{i} shares cali0's chain");
+    }
+    let s = f.placement()["cali0"];
+    let lists = |f: &Filter| {
+        f.shards[s]
+            .chains
+            .keys()
+            .filter(|c| c.starts_with("dph-tw-list-"))
+            .count()
+    };
+    assert_eq!(lists(&f), 1);
+    let d = &f.shards[s].desired("dph-to-wl-shard").unwrap();
+    let entries = &d.translated[0].dispatch.as_ref().unwrap().entries;
+    assert!(entries.iter().all(|(_, c)| *c == shared), "{entries:?}");
+    // cali1 changes: a chain of its own; the others keep theirs.
+    f.set_chain("dph-tw-cali1", vec![r("-j dph-pi-pol-0"), r("-j ACCEPT")])
+        .unwrap();
+    f.settle().unwrap();
+    assert_ne!(ingress(&f, "cali1").0, shared);
+    assert_eq!(ingress(&f, "cali2").0, shared);
+    assert_eq!(lists(&f), 2);
+    // cali0 and cali2 go: their chain goes with the last of them.
+    for i in ["cali0", "cali2"] {
+        f.remove_chain(&format!("dph-tw-{i}"));
+        f.settle().unwrap();
+        assert_eq!(f.shards[s].desired(&shared).is_some(), i == "cali0");
+    }
+    assert_eq!(lists(&f), 1);
+    assert!(
+        f.shards[s].desired("dph-pi-pol-0").is_some(),
+        "cali1 uses it"
+    );
+    f.remove_chain("dph-tw-cali1");
+    f.settle().unwrap();
+    assert_eq!(lists(&f), 0);
+    assert!(f.shards[s].desired("dph-pi-pol-0").is_none());
+}
+
+/// With one shard, or a mark mask without the pending bits, filter
+/// holds everything as before.
+#[test]
+fn unsharded_without_shards_or_bits() {
+    for f in [
+        filter(1),
+        Filter::new(
+            IpVersion::V4,
+            Ownership::new("dph"),
+            Marks::from_mask(0x3f0000).unwrap(),
+            8,
+        ),
+    ] {
+        let mut f = f;
+        workloads(&mut f, &["cali1"], 1);
+        f.settle().unwrap();
+        assert!(f.shards.is_empty());
+        assert!(f.main.desired("dph-tw-cali1").is_some());
+        assert_eq!(
+            f.main.desired("dph-to-wl-dispatch").unwrap().rules[0].text(),
+            "-o cali1 -g dph-tw-cali1"
+        );
+    }
+}
