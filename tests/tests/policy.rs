@@ -29,6 +29,17 @@ fn tcp(from: &Netns, to: &str, port: u16) -> bool {
     tcp_ok(from, addr, Duration::from_millis(700))
 }
 
+/// Whether a byte sent on `flow` (to an echo server) comes back within
+/// a second.
+fn echoes(flow: &mut std::net::TcpStream) -> bool {
+    use std::io::{Read, Write};
+    let mut b = [0u8; 1];
+    flow.set_read_timeout(Some(Duration::from_secs(1))).is_ok()
+        && flow.write_all(b"x").is_ok()
+        && flow.read_exact(&mut b).is_ok()
+        && &b == b"x"
+}
+
 fn ping(from: &Netns, to: &str) -> bool {
     from.command("ping")
         .args(["-c", "1", "-W", "1", to])
@@ -54,6 +65,7 @@ async fn connectivity_follows_policy() -> Result<()> {
     let w1 = workload(&host, "cali1", "10.65.0.2")?;
     let w2 = workload(&host, "cali2", "10.65.0.3")?;
     let _l = listen(&w2.0, &[80, 81]);
+    let _echo = lab::echo(&w2.0, 82);
 
     // Before the daemon: a namespace with the kernel's defaults does not
     // forward; the daemon has to turn that on (as Felix does).
@@ -188,7 +200,16 @@ async fn connectivity_follows_policy() -> Result<()> {
     .await?;
     assert!(!tcp(&w1, "10.65.0.3", 80), "admin down");
 
-    // 8. The endpoint removed: its interface is unknown, dispatch drops it.
+    // 8. Up again, an established flow to it; then the endpoint removed:
+    //    its interface is unknown, dispatch drops it, the established
+    //    flow too (as Felix's dispatch does).
+    push(
+        &mut c,
+        yaml_msgs(65, &wep("cali2", "10.65.0.3", "    profileIds: [kns.ns]\n")),
+    )
+    .await?;
+    let mut flow = lab::connect(&w1, "10.65.0.3:82".parse()?)?;
+    assert!(echoes(&mut flow), "the flow before the removal");
     push(
         &mut c,
         yaml_msgs(70, "workloadEndpointRemove: {id: {orchestratorId: k8s, workloadId: ns/cali2, endpointId: eth0}}\n"),
@@ -197,6 +218,13 @@ async fn connectivity_follows_policy() -> Result<()> {
     assert!(
         !tcp(&w1, "10.65.0.3", 80),
         "unknown workload interface: fail closed"
+    );
+    // The route went with the endpoint; one put back by hand (as a stale
+    // route of someone else's would be) leaves the drop to dispatch.
+    host.run("ip", &["route", "replace", "10.65.0.3/32", "dev", "cali2"])?;
+    assert!(
+        !echoes(&mut flow),
+        "an established flow to and from an unknown workload interface: dropped"
     );
 
     // And the daemon stopping leaves enforcement as it is.

@@ -77,7 +77,7 @@
 //! |---|---|---|
 //! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
 //! | policy or profile changed | its chain (and each shard's copy) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
-//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them; filter's dispatch chain | its shard's and filter's (small: dispatch and host endpoints) |
+//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them | its shard's |
 //! | endpoint's policies changed | its shard's dispatch map (a new map), a new list chain unless one like it is there, the old one unless shared | its shard's |
 //! | nothing changed (refresh, restart) | nothing | none |
 //!
@@ -94,7 +94,7 @@
 //! removed or pointed elsewhere, a hook changed — or a read came back;
 //! then that table alone is planned whole (every chain its hooks reach).
 //! An endpoint coming or going reshapes its shard only: filter's dispatch
-//! chain gains or loses a rule that goes where the others go.
+//! is one goto to the pending chain whatever the interfaces.
 //!
 //! What the shards cost: the copies (policy chains and IP sets in each
 //! shard that uses them: at issue 4's scale 10% more rules, and 1,684
@@ -106,8 +106,8 @@
 //! daemon reads chain by chain). An operator who lists the whole ruleset
 //! by hand often can run with `--nftables-shards 1`.
 //!
-//! Tried and measured, not kept: the workload dispatch of filter itself as
-//! one verdict map per direction (`iifname vmap`, a `goto` per interface)
+//! Tried and measured, not kept: the workload dispatch of filter itself
+//! (unsharded) as one verdict map per direction (`iifname vmap`, a `goto` per interface)
 //! in place of the prefix tree of interface rules. The walk got slower —
 //! the kernel validates every element of a `goto` map from every hook
 //! that reaches it: one policy change at 10,000 endpoints went from 96 to

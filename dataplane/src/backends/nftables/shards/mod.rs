@@ -21,23 +21,27 @@
 //!   a policy change walks the few shards its endpoints are in), unless
 //!   that shard is a quarter fuller than the average, then to the
 //!   emptiest;
-//! - everything else stays in filter, where the workload dispatch now
-//!   goes to one of two small chains instead of the endpoint's: they set
-//!   the endpoint's "allowed" mark (so filter goes on as if its policy had
-//!   allowed the packet) and a pending bit (`Marks::pending_from` /
-//!   `pending_to`), which filter's forward and input hooks clear first
-//!   (only its dispatch sets them);
+//! - everything else stays in filter, where the workload dispatch is one
+//!   goto per direction (the managers' tree of interfaces is not
+//!   programmed: only the shards' maps know the interfaces, so an
+//!   endpoint coming or going does not touch filter) to one of two small
+//!   chains: they set the "allowed" mark (so filter goes on as if the
+//!   endpoint's policy had allowed the packet) and a pending bit
+//!   (`Marks::pending_from` / `pending_to`), which filter's forward and
+//!   input hooks clear first (only its dispatch sets them);
 //! - each shard hooks `forward` and `input` after filter
 //!   ([`super::chains::SHARD_PRIORITY`]) and, for a packet with a pending bit, looks its
 //!   interface up in a verdict map of the shard's endpoints and goes to
 //!   the endpoint chain, which clears the bit first and then drops or
-//!   allows as it did in filter. A drop in any table is final; so is
+//!   allows as it did in filter (its accept of an established flow is a
+//!   return there, so that the other direction's chain runs too and
+//!   clears its bit). A drop in any table is final; so is
 //!   filter's own: the packet passes only if filter and the shard both
 //!   let it;
-//! - filter's end check ([`super::chains::END_PRIORITY`]) drops a packet still marked
-//!   pending that is not part of an established flow: its shard was
-//!   missing (fail closed). An established packet may keep its ingress
-//!   bit: its egress chain accepted it first, as filter would have.
+//! - filter's end check ([`super::chains::END_PRIORITY`]) drops a packet
+//!   still marked pending, established or not: no shard knows its
+//!   interface (an unknown workload interface, dropped as Felix's
+//!   dispatch drops it) or its shard was missing (fail closed).
 //!
 //! With fewer than 2 shards, or a mark mask without the two bits, nothing
 //! is routed: filter holds every chain as before.
@@ -153,6 +157,21 @@ fn rule(text: &str) -> Rule {
     Rule::parse(text).expect("a rule of our own tokens")
 }
 
+/// The endpoint chain's accept of an established flow, in its shard: a
+/// return, so that the shard's other direction runs too and clears its
+/// pending bit (both directions' chains accept an established flow first
+/// thing; an interface no shard knows keeps its bit, established or not,
+/// and is dropped at the end, as filter's dispatch dropped it).
+fn returned(r: Rule) -> Rule {
+    if r.text() == ESTABLISHED_ACCEPT {
+        rule(&ESTABLISHED_ACCEPT.replace("-j ACCEPT", "-j RETURN"))
+    } else {
+        r
+    }
+}
+
+const ESTABLISHED_ACCEPT: &str = "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT";
+
 /// `-m mark --mark <bit>/<bit> <tail>`.
 fn on_bit(bit: u32, tail: &str) -> Rule {
     rule(&format!("-m mark --mark {bit:#x}/{bit:#x} {tail}"))
@@ -208,13 +227,11 @@ impl Filter {
                 .expect("the pending chain is valid");
             f.main.force(&stub);
         }
-        let established = rule("-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT");
         let forward = vec![
-            established.clone(),
             on_bit(layout.from_bit, "-j DROP"),
             on_bit(layout.to_bit, "-j DROP"),
         ];
-        let input = vec![established, on_bit(layout.from_bit, "-j DROP")];
+        let input = vec![on_bit(layout.from_bit, "-j DROP")];
         f.main
             .set_hooks(&format!("FORWARD{END}"), forward)
             .expect("the end check is valid");
@@ -323,7 +340,7 @@ impl Filter {
                 Some(rules) => {
                     let mut body =
                         vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.bit(dir)))];
-                    body.extend(rules);
+                    body.extend(rules.into_iter().map(returned));
                     let list = l.list_chain(dir, &body);
                     let s = match l.placed.get(&iface) {
                         Some(s) => *s,
@@ -404,16 +421,21 @@ impl RuleTable for Filter {
             return Ok(());
         }
         if l.is_dispatch(name) {
-            // The managers set every dispatch chain on each endpoint
-            // change; one as they last set it is left alone (not
-            // rewritten rule by rule first to be found equal). Kept only
-            // once filter took it.
-            if l.dispatch.get(name) == Some(&rules) {
-                return Ok(());
+            // Only the shards' maps know the workloads' interfaces: filter's
+            // dispatch root sends every packet of the workload prefix to
+            // the pending chain, and the managers' tree below it is kept
+            // (for `chain`) but not programmed. An endpoint coming or
+            // going leaves filter alone (no walk of it, no plan);
+            // an interface no shard knows keeps its pending bit, and the
+            // end check drops it.
+            if let Some(dir) = l.dispatch_root(name)
+                && !self.main.chains.contains_key(name)
+            {
+                self.main
+                    .set_chain(name, vec![rule(&format!("-g {}", l.stub(dir)))])?;
             }
-            let redirected = rules.iter().map(|r| l.redirect(r.clone())).collect();
-            self.main.set_chain(name, redirected)?;
             l.dispatch.insert(name.to_string(), rules);
+            return Ok(());
         } else {
             self.main.set_chain(name, rules)?;
         }
@@ -459,6 +481,7 @@ impl RuleTable for Filter {
     fn chain(&self, name: &str) -> Option<&[Rule]> {
         match &self.layout {
             Some(l) if l.endpoint(name).is_some() => l.endpoints.get(name).map(Vec::as_slice),
+            Some(l) if l.is_dispatch(name) => l.dispatch.get(name).map(Vec::as_slice),
             _ => self.main.chain(name),
         }
     }

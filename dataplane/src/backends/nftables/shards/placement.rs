@@ -69,15 +69,14 @@ impl Placement {
             .is_some_and(|r| r.starts_with("from-wl-dispatch") || r.starts_with("to-wl-dispatch"))
     }
 
-    /// A dispatch rule going to an endpoint chain goes to the pending
-    /// chain instead.
-    pub(super) fn redirect(&self, r: Rule) -> Rule {
-        let Some((dir, _)) = r.target().and_then(|t| self.endpoint(t)) else {
-            return r;
-        };
-        let text = r.text();
-        let at = text.rfind(' ').map_or(0, |i| i + 1);
-        rule(&format!("{}{}", &text[..at], self.stub(dir)))
+    /// The direction of filter's workload dispatch root `name`, if it is
+    /// one (the managers' tree below it is not).
+    pub(super) fn dispatch_root(&self, name: &str) -> Option<Dir> {
+        match name.strip_prefix(&self.chain_prefix)? {
+            "from-wl-dispatch" => Some(Dir::From),
+            "to-wl-dispatch" => Some(Dir::To),
+            _ => None,
+        }
     }
 
     /// The shard for a new interface whose endpoint chain is `rules`: the

@@ -76,8 +76,24 @@ fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
         "endpoint chains leave filter"
     );
     let dispatch = &f.main.desired("dph-to-wl-dispatch").unwrap().rules;
-    assert_eq!(dispatch[0].text(), "-o cali0 -g dph-tw-pending-in-shards");
-    assert_eq!(dispatch.last().unwrap().text(), "-j DROP");
+    assert_eq!(
+        dispatch.iter().map(Rule::text).collect::<Vec<_>>(),
+        ["-g dph-tw-pending-in-shards"],
+        "filter's dispatch marks every workload packet for the shards"
+    );
+    // The end check: a pending bit no shard cleared is dropped,
+    // established or not.
+    assert_eq!(
+        f.main.hooks["FORWARD-END"]
+            .rules
+            .iter()
+            .map(Rule::text)
+            .collect::<Vec<_>>(),
+        [
+            "-m mark --mark 0x400000/0x400000 -j DROP",
+            "-m mark --mark 0x800000/0x800000 -j DROP"
+        ]
+    );
     let placed = f.placement();
     assert_eq!(placed.len(), 40);
     for (i, iface) in names.iter().enumerate() {
@@ -159,24 +175,39 @@ fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
     assert!(!f.placement().contains_key(here[0]));
 }
 
-/// A dispatch chain filter refused is refused again when set again
-/// (not skipped as "as last set"), and one it took is then left alone.
+/// Filter's dispatch is one goto to the pending chain whatever tree the
+/// managers set (kept for `chain`, not programmed), and an endpoint
+/// coming or going leaves it alone. In the shard, an endpoint chain's
+/// accept of an established flow is a return (the other direction's
+/// chain runs too and clears its bit).
 #[test]
-fn a_refused_dispatch_chain_is_not_remembered() {
+fn filters_dispatch_is_one_goto_whatever_the_tree() {
     let mut f = filter(4);
     workloads(&mut f, &["cali0"], 1);
-    let bad = vec![r("-o cali0 -j REJECT")];
-    assert!(f.set_chain("dph-to-wl-dispatch", bad.clone()).is_err());
-    assert!(
-        f.set_chain("dph-to-wl-dispatch", bad).is_err(),
-        "refused again, not taken as already set"
-    );
-    let good = vec![r("-o cali0 -g dph-tw-cali0"), r("-j DROP")];
-    f.set_chain("dph-to-wl-dispatch", good.clone()).unwrap();
+    let tree = vec![
+        r("-o cali1+ -g dph-to-wl-dispatch-1"),
+        r("-o cali0 -g dph-tw-cali0"),
+        r("-j DROP"),
+    ];
+    f.set_chain("dph-to-wl-dispatch", tree.clone()).unwrap();
+    f.set_chain(
+        "dph-to-wl-dispatch-1",
+        vec![r("-o cali1 -g dph-tw-cali1"), r("-j DROP")],
+    )
+    .unwrap();
     f.settle().unwrap();
-    let d = &f.main.desired("dph-to-wl-dispatch").unwrap().rules;
-    assert_eq!(d[0].text(), "-o cali0 -g dph-tw-pending-in-shards");
-    f.set_chain("dph-to-wl-dispatch", good).unwrap();
+    let root = f.main.desired("dph-to-wl-dispatch").unwrap().clone();
+    assert_eq!(root.rules[0].text(), "-g dph-tw-pending-in-shards");
+    assert!(f.main.desired("dph-to-wl-dispatch-1").is_none());
+    assert_eq!(RuleTable::chain(&f, "dph-to-wl-dispatch"), Some(&tree[..]));
+    workloads(&mut f, &["cali0", "cali1"], 1);
+    f.settle().unwrap();
+    assert_eq!(f.main.desired("dph-to-wl-dispatch"), Some(&root));
+    let (_, tw) = ingress(&f, "cali1");
+    assert_eq!(
+        tw.rules[1].text(),
+        "-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN"
+    );
 }
 
 /// A new interface does not go to a shard a quarter fuller than the
