@@ -32,6 +32,14 @@ pub trait RuleTable: Send {
     /// The chains that will be programmed: those the hooks reach, and the
     /// forced ones.
     fn programmed(&self) -> BTreeSet<String>;
+    /// Whether the workload dispatch here goes interface by interface (the
+    /// managers' tree of chains); else the table sends every workload
+    /// interface on as one (the sharded nftables filter: its shards' maps
+    /// know the interfaces) and takes only the dispatch roots, whatever
+    /// they hold.
+    fn dispatch_by_interface(&self) -> bool {
+        true
+    }
 }
 
 /// The IP sets of one IP version.

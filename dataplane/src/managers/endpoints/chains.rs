@@ -601,6 +601,17 @@ impl EndpointsManager {
         Ok(chains)
     }
 
+    /// The dispatch roots alone, empty, for a table that sends every
+    /// workload interface on as one
+    /// ([`crate::backends::desired::RuleTable::dispatch_by_interface`]).
+    pub(super) fn dispatch_roots(&self) -> Chains {
+        let mut chains = Chains::new();
+        for root in ["from-wl-dispatch", "to-wl-dispatch"] {
+            chains.insert(self.p(root), Vec::new());
+        }
+        chains
+    }
+
     /// One dispatch chain `name` for `entries` (sorted by interface, all
     /// sharing their first `depth` bytes): a rule per interface, or, when
     /// there are many, one `-i <name prefix>+ -g <child>` per next

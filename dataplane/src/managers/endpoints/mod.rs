@@ -417,7 +417,15 @@ impl EndpointsManager {
                 if ![FILTER, RAW, MANGLE].contains(&table) {
                     continue;
                 }
-                for (name, rules) in self.render(&owner, table, t.version())? {
+                let chains =
+                    if owner == Owner::Dispatch && table == FILTER && !t.dispatch_by_interface() {
+                        // No tree to render: the table sends every workload
+                        // interface on as one.
+                        self.dispatch_roots()
+                    } else {
+                        self.render(&owner, table, t.version())?
+                    };
+                for (name, rules) in chains {
                     t.set_chain(&name, rules).map_err(bad)?;
                     now.push((i, name));
                 }

@@ -1115,3 +1115,81 @@ fn two_workloads_on_one_interface_the_lower_id_is_served() {
     assert!(!c.contains_key("dph-tw-cali1") && !c.contains_key("dph-fw-cali1"));
     assert!(table(&k, "filter").chain("dph-tw-cali1").is_none());
 }
+
+/// An nftables kernel that takes every commit and holds nothing.
+#[derive(Debug)]
+struct NoNft;
+
+impl crate::backends::nftables::dataplane::NftKernel for NoNft {
+    fn commit(
+        &mut self,
+        _: &[crate::backends::nftables::ops::Op],
+    ) -> Result<(), crate::backends::nftables::netlink::NftError> {
+        Ok(())
+    }
+    fn read(
+        &mut self,
+        _: crate::backends::nftables::ops::Family,
+        _: &str,
+    ) -> Result<
+        (
+            crate::backends::nftables::plan::Observed,
+            crate::backends::nftables::plan::Contents,
+        ),
+        crate::backends::nftables::netlink::NftError,
+    > {
+        Ok(Default::default())
+    }
+}
+
+/// With the sharded nftables filter (its shards' maps know the
+/// interfaces), the dispatch tree is not rendered: filter takes the two
+/// roots alone and sends every workload interface on to the shards.
+#[test]
+fn a_sharded_nftables_filter_gets_no_dispatch_tree() {
+    use crate::backends::nftables::{Dataplane, shards::ShardLayout};
+    let mut m = mgr();
+    let mut k = DesiredKernel {
+        nftables: vec![Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            ShardLayout {
+                marks: Marks::default(),
+                shards: 4,
+            },
+            Box::new(NoNft),
+        )],
+        ..Default::default()
+    };
+    for i in 0..40 {
+        m.on_update(&wep(
+            &format!("cali{i}"),
+            vec![],
+            &[],
+            EndpointState::Active,
+        ));
+    }
+    m.complete_deferred_work(&mut k).unwrap();
+    let filter = &k.nftables[0].filter;
+    for (root, stub) in [
+        ("dph-from-wl-dispatch", "dph-fw-pending-in-shards"),
+        ("dph-to-wl-dispatch", "dph-tw-pending-in-shards"),
+    ] {
+        use crate::backends::desired::RuleTable;
+        assert_eq!(RuleTable::chain(filter, root), Some(&[][..]), "{root}");
+        let programmed = RuleTable::chain(&filter.main, root).expect("the root");
+        assert_eq!(programmed[0].text(), format!("-g {stub}"));
+    }
+    assert_eq!(
+        crate::backends::desired::RuleTable::programmed(&filter.main)
+            .iter()
+            .filter(|c| c.contains("wl-dispatch"))
+            .count(),
+        2,
+        "only the roots"
+    );
+    // The endpoints go to the shards (at the next plan).
+    k.nftables[0].filter.settle().unwrap();
+    assert_eq!(k.nftables[0].filter.placement().len(), 40);
+}

@@ -496,6 +496,10 @@ impl RuleTable for Filter {
         }
     }
 
+    fn dispatch_by_interface(&self) -> bool {
+        self.layout.is_none()
+    }
+
     fn programmed(&self) -> BTreeSet<String> {
         let mut out = self.main.programmed();
         if let Some(l) = &self.layout {
