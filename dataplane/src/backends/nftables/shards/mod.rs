@@ -118,11 +118,9 @@ struct Placement {
     /// Per shard: the chains copied from filter, and how many chains
     /// there jump to each.
     refs: Vec<HashMap<String, usize>>,
-    /// Per shard and direction: its interfaces, each with the chain its
-    /// dispatch goes to.
+    /// Per shard and direction: its interfaces, each with the policy
+    /// list chain (named by its rules) its dispatch goes to.
     members: Vec<[BTreeMap<String, String>; 2]>,
-    /// Each endpoint chain's policy list chain (named by its rules).
-    lists: HashMap<String, String>,
     /// Per shard: its policy list chains, and how many endpoint chains
     /// each stands for.
     users: Vec<HashMap<String, usize>>,
@@ -133,7 +131,7 @@ struct Placement {
     /// The endpoint chains as the managers set them.
     endpoints: HashMap<String, Vec<Rule>>,
     /// The workload dispatch chains as the managers set them (filter
-    /// holds them redirected).
+    /// holds one goto to the pending chain per root in their place).
     dispatch: HashMap<String, Vec<Rule>>,
 }
 
@@ -208,7 +206,6 @@ impl Filter {
             load: vec![0; n],
             refs: vec![HashMap::new(); n],
             members: vec![Default::default(); n],
-            lists: HashMap::new(),
             users: vec![HashMap::new(); n],
             dirty: BTreeSet::new(),
             recopy: BTreeSet::new(),
@@ -362,12 +359,10 @@ impl Filter {
                         }
                     }
                     *l.users[s].entry(list.clone()).or_insert(0) += 1;
-                    if let Some(old) = l.lists.insert(name.clone(), list.clone()) {
-                        release(l, shard, s, &old);
-                    }
                     let went = l.members[s][dir as usize].insert(iface.clone(), list.clone());
-                    if went.is_none() {
-                        l.load[s] += 1;
+                    match &went {
+                        Some(old) => release(l, shard, s, old),
+                        None => l.load[s] += 1,
                     }
                     if went.as_ref() != Some(&list) {
                         touched.insert(s);
@@ -377,10 +372,8 @@ impl Filter {
                     let Some(&s) = l.placed.get(&iface) else {
                         continue;
                     };
-                    if let Some(old) = l.lists.remove(&name) {
+                    if let Some(old) = l.members[s][dir as usize].remove(&iface) {
                         release(l, &mut self.shards[s], s, &old);
-                    }
-                    if l.members[s][dir as usize].remove(&iface).is_some() {
                         l.load[s] -= 1;
                         touched.insert(s);
                     }
