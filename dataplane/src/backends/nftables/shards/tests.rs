@@ -61,16 +61,24 @@ fn workloads(f: &mut Filter, ifaces: &[&str], sets: usize) {
     .unwrap();
 }
 
+/// Four shards after a settle of workloads `cali0`… `cali<n-1>` (see
+/// [`workloads`]); their names.
+fn settled(n: usize, sets: usize) -> (Filter, Vec<String>) {
+    let mut f = filter(4);
+    let ifaces: Vec<String> = (0..n).map(|i| format!("cali{i}")).collect();
+    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    workloads(&mut f, &names, sets);
+    f.settle().unwrap();
+    (f, ifaces)
+}
+
 /// Endpoint chains go to shards with copies of what they jump to;
 /// filter's dispatch goes to the pending chains; each shard hooks
 /// forward and input behind a pending bit and dispatches by map.
 #[test]
 fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
-    let mut f = filter(4);
-    let ifaces: Vec<String> = (0..40).map(|i| format!("cali{i}")).collect();
+    let (mut f, ifaces) = settled(40, 4);
     let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
-    workloads(&mut f, &names, 4);
-    f.settle().unwrap();
     assert!(
         f.main.desired("dph-tw-cali1").is_none(),
         "endpoint chains leave filter"
@@ -214,12 +222,8 @@ fn filters_dispatch_is_one_goto_whatever_the_tree() {
 /// average; an interface stays where it was put.
 #[test]
 fn placement_is_balanced_and_sticky() {
-    let mut f = filter(4);
-    let ifaces: Vec<String> = (0..200).map(|i| format!("cali{i}")).collect();
-    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
     // One set for all: affinity alone would put all in one shard.
-    workloads(&mut f, &names, 1);
-    f.settle().unwrap();
+    let (mut f, _) = settled(200, 1);
     let l = f.layout.as_ref().unwrap();
     let max = *l.load.iter().max().unwrap();
     assert!(max <= 400 / 4 + 400 / 16 + 8 + 1, "{:?}", l.load);
