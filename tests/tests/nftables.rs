@@ -169,9 +169,10 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         .run("nft", &["list", "table", "ip", "dph-filter"])?
         .stdout;
     // The workloads' policy is in a shard: a chain per policy list (named
-    // by its rules, shared by endpoints with the same policies), the
-    // policies' copies and a verdict-map dispatch; filter's own dispatch
-    // sets the pending mark.
+    // by its rules, shared by endpoints with the same policies) with the
+    // policies only it uses written in (the allow above is cali2's
+    // alone), and a verdict-map dispatch; filter's own dispatch sets the
+    // pending mark.
     let shards: Vec<(String, String)> = tables
         .iter()
         .filter_map(|t| t.strip_prefix("table ip "))
@@ -195,6 +196,21 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
     ] {
         assert!(shard_listing.contains(want), "{want}: {shard_listing}");
     }
+    assert!(
+        !shard_listing.contains("chain dph-pi-default.web"),
+        "cali2's policy is written into its list chain: {shard_listing}"
+    );
+    let name = shard_listing
+        .split("\"cali2\" : goto dph-tw-list-")
+        .nth(1)
+        .and_then(|r| r.split([',', ' ', '\n']).next())
+        .context("cali2's ingress list chain")?;
+    let list = shard_listing
+        .split(&format!("chain dph-tw-list-{name} {{"))
+        .nth(1)
+        .with_context(|| format!("{name} in {shard_listing}"))?;
+    let list = &list[..list.find("\n\t}").unwrap_or(list.len())];
+    assert!(list.contains("tcp dport 80"), "{list}");
     assert!(
         String::from_utf8_lossy(&listed).contains("goto dph-tw-pending-in-shards"),
         "{}",

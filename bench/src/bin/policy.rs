@@ -174,13 +174,18 @@ fn workload_id(w: usize) -> felix::WorkloadEndpointId {
     }
 }
 
+/// Endpoint `w`'s interface.
+fn endpoint_name(w: usize) -> String {
+    format!("cali{w:011x}")
+}
+
 /// Endpoint `w`, naming ingress policy `pin` and egress policy `pout`.
 fn endpoint(w: usize, pin: usize, pout: usize) -> Payload {
     Payload::WorkloadEndpointUpdate(felix::WorkloadEndpointUpdate {
         id: Some(workload_id(w)),
         endpoint: Some(felix::WorkloadEndpoint {
             state: "active".into(),
-            name: format!("cali{w:011x}"),
+            name: endpoint_name(w),
             mac: format!(
                 "ee:ee:ee:{:02x}:{:02x}:{:02x}",
                 w >> 16 & 0xff,
@@ -664,7 +669,20 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
         r.raw_cold = took.as_secs_f64() * 1000.0;
         r.raw_cold_how = "nft -f of nft list ruleset".into();
         // One chain flushed and written again by nft (in the first table
-        // that holds it: a shard's copy with the sharded layout).
+        // that holds it: a shard's copy with the sharded layout; or, where
+        // the policy is written into the one policy list chain that uses
+        // it, that chain: endpoint 1's ingress, the chain a change to the
+        // policy rewrites).
+        let list_chain = || {
+            let entry = format!("\"{}\" : goto ", endpoint_name(1));
+            let rest = text.split(&entry).find(|r| r.starts_with("dph-tw-list-"))?;
+            rest.split([',', ' ', '\n']).next()
+        };
+        let chain = if text.contains(&format!("chain {chain} {{")) {
+            chain
+        } else {
+            list_chain().unwrap_or(chain)
+        };
         let head = format!("chain {chain} {{");
         let (table, body) = text
             .split("table ip ")

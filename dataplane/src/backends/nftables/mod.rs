@@ -53,7 +53,9 @@
 //! sets those look up. There an endpoint chain is a policy list chain
 //! (`<prefix>tw-list-<hash>`, `fw-list-`), named by its rules: endpoints
 //! with the same policies and profiles in a shard (a deployment's
-//! replicas) share one; filter's own dispatch only marks the packet
+//! replicas) share one, and a policy or profile chain that one list
+//! chain alone uses in a shard is written into it, not copied
+//! ([`shards`]' `inline`); filter's own dispatch only marks the packet
 //! "pending" for the shard (and allowed, so filter goes on as Felix's
 //! would), the shard looks the interface up in a verdict map and applies
 //! the endpoint's policy (a drop in any table is final), and filter's end
@@ -76,7 +78,7 @@
 //! | change | written as | validation walk |
 //! |---|---|---|
 //! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
-//! | policy or profile changed | its chain (and each shard's copy) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
+//! | policy or profile changed | its chain (and each shard's copy, or the list chain it is written into) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
 //! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them | its shard's |
 //! | endpoint's policies changed | its shard's dispatch map (a new map), a new list chain unless one like it is there, the old one unless shared | its shard's |
 //! | nothing changed (refresh, restart) | nothing | none |
@@ -86,7 +88,8 @@
 //! each chain's next rule generation current, changed or not): 0.8 ms for
 //! a set element next to 30,000 chains in `bench/src/bin/nftables.rs`,
 //! 2–3 ms in the daemon at the policy benchmark's scale. Hence the shared
-//! policy list chains: fewer chains make every commit cheaper.
+//! policy list chains, and the policies written into the one list chain
+//! that uses them: fewer chains make every commit cheaper.
 //!
 //! One commit per apply for all tables of an IP version. Each table is
 //! planned from its changes alone (the chains whose rules changed, the

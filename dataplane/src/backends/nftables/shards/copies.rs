@@ -1,11 +1,14 @@
 //! What the shards hold besides their dispatch: copies of filter's chains
 //! (counted by the chains there that jump to them) and the policy list
-//! chains (counted by the endpoint chains they stand for).
+//! chains (counted by the endpoint chains they stand for; a chain only
+//! one of them jumps to is written into it, [`super::inline`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::Placement;
+use super::inline::Marks;
 use crate::backends::desired::RuleTable;
+use crate::backends::iptables::{Rule, RuleError};
 use crate::backends::nftables::chains::ChainTable;
 
 /// Shard `s` holds a copy of filter's chain `name` (one more chain there
@@ -65,10 +68,133 @@ pub(super) fn targets(table: &ChainTable, name: &str) -> Vec<String> {
 
 /// One endpoint chain fewer in shard `s` stands on policy list chain
 /// `list`; the last takes it (and what it alone jumped to) out.
-pub(super) fn release(l: &mut Placement, shard: &mut ChainTable, s: usize, list: &str) {
+pub(super) fn release(
+    l: &mut Placement,
+    main: &ChainTable,
+    shard: &mut ChainTable,
+    s: usize,
+    list: &str,
+) -> Result<(), RuleError> {
     if last_gone(&mut l.users[s], list) {
-        take_out(l, shard, s, list);
+        remove_list(l, main, shard, s, list)?;
     }
+    Ok(())
+}
+
+/// The chains of ours that rules `body` jump or go to.
+fn chain_targets(l: &Placement, body: &[Rule]) -> BTreeSet<String> {
+    body.iter()
+        .filter_map(Rule::target)
+        .filter(|t| t.starts_with(&l.chain_prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Policy list chain `list` of rules `body` into shard `s`, where it is
+/// new: programmed with the chains it alone jumps to there written in
+/// ([`super::inline`]); a list chain that had one of those to itself
+/// until now jumps to a shared copy again.
+pub(super) fn put_list(
+    l: &mut Placement,
+    main: &ChainTable,
+    shard: &mut ChainTable,
+    s: usize,
+    list: &str,
+    body: Vec<Rule>,
+) -> Result<(), RuleError> {
+    let targets = chain_targets(l, &body);
+    l.lists[s].insert(list.to_string(), body);
+    let mut shared = BTreeSet::new();
+    for t in targets {
+        let h = l.holders[s].entry(t).or_default();
+        h.insert(list.to_string());
+        if h.len() == 2 {
+            shared.extend(h.iter().filter(|x| *x != list).cloned());
+        }
+    }
+    if let Err(e) = render_list(l, main, shard, s, list) {
+        remove_list(l, main, shard, s, list)?;
+        return Err(e);
+    }
+    for other in shared {
+        render_list(l, main, shard, s, &other)?;
+    }
+    Ok(())
+}
+
+/// Policy list chain `list` out of shard `s` (and what it alone jumped
+/// to); a list chain left alone with a chain it shared has it written in.
+pub(super) fn remove_list(
+    l: &mut Placement,
+    main: &ChainTable,
+    shard: &mut ChainTable,
+    s: usize,
+    list: &str,
+) -> Result<(), RuleError> {
+    let Some(body) = l.lists[s].remove(list) else {
+        return Ok(());
+    };
+    take_out(l, shard, s, list);
+    let mut alone = BTreeSet::new();
+    for t in chain_targets(l, &body) {
+        let Some(h) = l.holders[s].get_mut(&t) else {
+            continue;
+        };
+        h.remove(list);
+        match h.len() {
+            0 => {
+                l.holders[s].remove(&t);
+            }
+            1 => alone.extend(h.iter().cloned()),
+            _ => {}
+        }
+    }
+    for other in alone {
+        render_list(l, main, shard, s, &other)?;
+    }
+    Ok(())
+}
+
+/// Shard `s`'s policy list chain `list` programmed from its rules and
+/// what the chains it jumps to hold now, and the copies it jumps to
+/// counted.
+pub(super) fn render_list(
+    l: &mut Placement,
+    main: &ChainTable,
+    shard: &mut ChainTable,
+    s: usize,
+    list: &str,
+) -> Result<(), RuleError> {
+    let Some(body) = l.lists[s].get(list) else {
+        return Ok(());
+    };
+    let marks = Marks {
+        accept: l.accept,
+        pass: l.pass,
+        chain_prefix: &l.chain_prefix,
+    };
+    let holders = &l.holders[s];
+    let rendered = marks.render(
+        body,
+        |t| {
+            holders
+                .get(t)
+                .is_some_and(|h| h.len() == 1)
+                .then(|| main.chain(t))
+                .flatten()
+        },
+        |t| main.chain(t),
+    );
+    let old: BTreeSet<String> = targets(shard, list).into_iter().collect();
+    shard.set_chain(list, rendered)?;
+    let new: BTreeSet<String> = targets(shard, list).into_iter().collect();
+    for t in new.difference(&old) {
+        add_ref(l, main, shard, s, t);
+    }
+    for t in old.difference(&new) {
+        drop_ref(l, shard, s, t);
+    }
+    Ok(())
 }
 
 /// Shard `s`'s copy of filter's chain `name` made what filter holds (and

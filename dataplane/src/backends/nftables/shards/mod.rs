@@ -13,7 +13,10 @@
 //!   the kernel's commit passes over every chain in the namespace, so
 //!   10,000 replicas of a few deployments cost a few chains per shard, not
 //!   20,000. The chain goes with the last endpoint that uses it; one whose
-//!   policies change moves to the chain of its new rules. A restart finds
+//!   policies change moves to the chain of its new rules. A policy or
+//!   profile chain that one list chain alone jumps to in the shard is
+//!   written into it where that does the same ([`inline`]: a chain
+//!   fewer); shared, it is a copy they all jump to. A restart finds
 //!   the interfaces where the shards' dispatch maps name them.
 //!   An interface stays in the shard it was first put in; a new one
 //!   goes to the shard its IP sets point at (endpoints whose policies look
@@ -47,11 +50,12 @@
 //! is routed: filter holds every chain as before.
 
 mod copies;
+mod inline;
 mod placement;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use copies::{add_ref, copy, release, targets};
+use copies::{copy, put_list, release, render_list};
 
 use super::chains::{ChainTable, END};
 use crate::backends::desired::RuleTable;
@@ -111,6 +115,7 @@ struct Placement {
     from_bit: u32,
     to_bit: u32,
     accept: u32,
+    pass: u32,
     /// Each workload interface's shard.
     placed: HashMap<String, usize>,
     /// Endpoint chains per shard.
@@ -124,6 +129,12 @@ struct Placement {
     /// Per shard: its policy list chains, and how many endpoint chains
     /// each stands for.
     users: Vec<HashMap<String, usize>>,
+    /// Per shard: each policy list chain's rules (as the endpoint chains
+    /// it stands for have them; programmed with what it alone jumps to
+    /// written in).
+    lists: Vec<HashMap<String, Vec<Rule>>>,
+    /// Per shard: each chain the policy list chains jump to, and which.
+    holders: Vec<HashMap<String, BTreeSet<String>>>,
     /// Endpoint chains set or removed since the last [`Filter::settle`].
     dirty: BTreeSet<String>,
     /// Filter's chains set since then that a shard holds a copy of.
@@ -202,11 +213,14 @@ impl Filter {
             from_bit: marks.pending_from,
             to_bit: marks.pending_to,
             accept: marks.accept,
+            pass: marks.pass,
             placed: HashMap::new(),
             load: vec![0; n],
             refs: vec![HashMap::new(); n],
             members: vec![Default::default(); n],
             users: vec![HashMap::new(); n],
+            lists: vec![HashMap::new(); n],
+            holders: vec![HashMap::new(); n],
             dirty: BTreeSet::new(),
             recopy: BTreeSet::new(),
             endpoints: HashMap::new(),
@@ -319,17 +333,28 @@ impl Filter {
         let dirty = std::mem::take(&mut l.dirty);
         let recopy = std::mem::take(&mut l.recopy);
         // Copies first: an endpoint placed below copies what filter holds.
+        // A chain written into the list chains that alone jump to it is
+        // written there again (or, no longer fit for it, jumped to).
+        let mut refused: Option<RuleError> = None;
         for name in recopy {
             for s in 0..self.shards.len() {
                 if l.refs[s].contains_key(&name) {
                     copy(l, &self.main, &mut self.shards[s], s, &name);
+                }
+                let lists: Vec<String> = l.holders[s]
+                    .get(&name)
+                    .map(|h| h.iter().cloned().collect())
+                    .unwrap_or_default();
+                for list in lists {
+                    if let Err(e) = render_list(l, &self.main, &mut self.shards[s], s, &list) {
+                        refused.get_or_insert(e);
+                    }
                 }
             }
         }
         let mut touched: BTreeSet<usize> = BTreeSet::new();
         // A chain a shard refuses stays dirty (tried again at the next
         // settle) and the others still go in; the first refusal is returned.
-        let mut refused: Option<RuleError> = None;
         for name in dirty {
             let (dir, iface) = l.endpoint(&name).expect("only endpoint chains are dirty");
             let iface = iface.to_string();
@@ -348,20 +373,21 @@ impl Filter {
                         }
                     };
                     let shard = &mut self.shards[s];
-                    if !l.users[s].contains_key(&list) {
-                        if let Err(e) = shard.set_chain(&list, body) {
-                            l.dirty.insert(name);
-                            refused.get_or_insert(e);
-                            continue;
-                        }
-                        for t in &targets(shard, &list) {
-                            add_ref(l, &self.main, shard, s, t);
-                        }
+                    if !l.users[s].contains_key(&list)
+                        && let Err(e) = put_list(l, &self.main, shard, s, &list, body)
+                    {
+                        l.dirty.insert(name);
+                        refused.get_or_insert(e);
+                        continue;
                     }
                     *l.users[s].entry(list.clone()).or_insert(0) += 1;
                     let went = l.members[s][dir as usize].insert(iface.clone(), list.clone());
                     match &went {
-                        Some(old) => release(l, shard, s, old),
+                        Some(old) => {
+                            if let Err(e) = release(l, &self.main, shard, s, old) {
+                                refused.get_or_insert(e);
+                            }
+                        }
                         None => l.load[s] += 1,
                     }
                     if went.as_ref() != Some(&list) {
@@ -373,7 +399,9 @@ impl Filter {
                         continue;
                     };
                     if let Some(old) = l.members[s][dir as usize].remove(&iface) {
-                        release(l, &mut self.shards[s], s, &old);
+                        if let Err(e) = release(l, &self.main, &mut self.shards[s], s, &old) {
+                            refused.get_or_insert(e);
+                        }
                         l.load[s] -= 1;
                         touched.insert(s);
                     }
@@ -432,7 +460,9 @@ impl RuleTable for Filter {
         } else {
             self.main.set_chain(name, rules)?;
         }
-        if l.refs.iter().any(|r| r.contains_key(name)) {
+        if l.refs.iter().any(|r| r.contains_key(name))
+            || l.holders.iter().any(|h| h.contains_key(name))
+        {
             l.recopy.insert(name.to_string());
         }
         Ok(())

@@ -357,6 +357,118 @@ fn endpoints_with_the_same_policies_share_a_chain() {
     assert!(f.shards[s].desired("dph-pi-pol-0").is_none());
 }
 
+/// A workload's ingress chain as the endpoints manager writes it: one
+/// tier of `policies`, then a drop.
+fn tiered(policies: &[&str]) -> Vec<Rule> {
+    let mut out = vec![
+        r("-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"),
+        r("-j MARK --set-xmark 0/0x30000"),
+        r("-j MARK --set-xmark 0/0x20000"),
+    ];
+    for p in policies {
+        out.push(r(&format!("-m mark --mark 0/0x20000 -j {p}")));
+        out.push(r("-m mark --mark 0x10000/0x10000 -j RETURN"));
+    }
+    out.push(r("-m mark --mark 0/0x20000 -j DROP"));
+    out.push(r("-j DROP"));
+    out
+}
+
+/// An allow of port `port` (all policies here look up set `dph-s0`, so
+/// their endpoints share a shard).
+fn allow(port: u16) -> Vec<Rule> {
+    vec![
+        r(&format!(
+            "-m set --match-set dph-s0 src -p tcp --dport {port} -j MARK --set-xmark 0x10000/0x10000"
+        )),
+        r("-m mark --mark 0x10000/0x10000 -j RETURN"),
+    ]
+}
+
+/// A policy that one policy list chain alone jumps to in its shard is
+/// written into it (one chain fewer for every commit to pass over); a
+/// second list chain that comes to use it makes both jump to a copy
+/// again, and the copy goes when one is left; a change to it is written
+/// where it is; a pass is never written in.
+#[test]
+fn a_policy_one_list_chain_uses_is_written_into_it() {
+    let mut f = filter(4);
+    for (p, port) in [("a", 80), ("b", 81), ("c", 82)] {
+        f.set_chain(&format!("dph-pi-{p}"), allow(port)).unwrap();
+    }
+    f.set_chain("dph-tw-cali0", tiered(&["dph-pi-a"])).unwrap();
+    f.set_chain("dph-tw-cali1", tiered(&["dph-pi-b"])).unwrap();
+    f.settle().unwrap();
+    let s = f.placement()["cali0"];
+    assert_eq!(f.placement()["cali1"], s, "the same sets, the same shard");
+    let texts = |f: &Filter, iface: &str| -> Vec<String> {
+        let (_, c) = ingress(f, iface);
+        c.rules.iter().map(|r| r.text().to_string()).collect()
+    };
+    let copied = |f: &Filter, p: &str| f.shards[s].desired(p).is_some();
+    assert_eq!(
+        texts(&f, "cali0")[4..7],
+        [
+            "-m set --match-set dph-s0 src -p tcp --dport 80 -j MARK --set-xmark 0x10000/0x10000",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
+        ],
+        "{:?}",
+        texts(&f, "cali0")
+    );
+    assert!(!copied(&f, "dph-pi-a") && !copied(&f, "dph-pi-b"));
+    // cali2's list (a then c) shares a: a is a copy both jump to; c is
+    // cali2's alone.
+    f.set_chain("dph-tw-cali2", tiered(&["dph-pi-a", "dph-pi-c"]))
+        .unwrap();
+    f.settle().unwrap();
+    assert_eq!(f.placement()["cali2"], s);
+    assert!(copied(&f, "dph-pi-a") && !copied(&f, "dph-pi-c"));
+    for iface in ["cali0", "cali2"] {
+        assert!(
+            texts(&f, iface).contains(&"-m mark --mark 0/0x20000 -j dph-pi-a".to_string()),
+            "{iface} jumps to the shared copy"
+        );
+    }
+    assert!(texts(&f, "cali2").iter().any(|t| t.contains("--dport 82")));
+    // cali2 goes: a is cali0's alone again.
+    f.remove_chain("dph-tw-cali2");
+    f.settle().unwrap();
+    assert!(!copied(&f, "dph-pi-a") && !copied(&f, "dph-pi-c"));
+    assert!(texts(&f, "cali0").iter().any(|t| t.contains("--dport 80")));
+    // A change to a is written into cali0's chain, under the same name.
+    let (name, _) = ingress(&f, "cali0");
+    let name = name.to_string();
+    f.set_chain("dph-pi-a", allow(90)).unwrap();
+    f.settle().unwrap();
+    assert_eq!(ingress(&f, "cali0").0, name);
+    assert!(texts(&f, "cali0").iter().any(|t| t.contains("--dport 90")));
+    assert!(!texts(&f, "cali0").iter().any(|t| t.contains("--dport 80")));
+    // A pass: jumped to (a copy) — written in, its return would end the
+    // list chain with no accept mark, which a shard lets through.
+    f.set_chain(
+        "dph-pi-a",
+        vec![
+            r("-m set --match-set dph-s0 src -j MARK --set-xmark 0x20000/0x20000"),
+            r("-m mark --mark 0x20000/0x20000 -j RETURN"),
+        ],
+    )
+    .unwrap();
+    f.settle().unwrap();
+    assert!(copied(&f, "dph-pi-a"));
+    assert!(texts(&f, "cali0").contains(&"-m mark --mark 0/0x20000 -j dph-pi-a".to_string()));
+    // The last user gone: nothing left of either.
+    f.remove_chain("dph-tw-cali0");
+    f.remove_chain("dph-tw-cali1");
+    f.settle().unwrap();
+    assert!(
+        f.shards[s]
+            .chains
+            .keys()
+            .all(|c| !c.contains("-list-") && !c.starts_with("dph-pi-"))
+    );
+}
+
 /// With one shard, or a mark mask without the pending bits, filter
 /// holds everything as before.
 #[test]
