@@ -1,5 +1,5 @@
 //! Rendering the calc graph's policy and profile rules into iptables rules
-//! (Felix's `felix/rules/`). Pure: model in, [`iptables::Rule`]s out; the
+//! (Felix's `felix/rules/`). Pure: model in, [`Rule`](crate::backends::iptables::Rule)s out; the
 //! managers place them in chains and the table backend writes them.
 //!
 //! A rule becomes, in Felix's match order: protocol, source nets, source IP
