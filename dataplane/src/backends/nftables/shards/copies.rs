@@ -90,10 +90,27 @@ fn chain_targets(l: &Placement, body: &[Rule]) -> BTreeSet<String> {
         .collect()
 }
 
+/// Most rules a chain shared by several list chains of a shard may have
+/// there, counted once per list chain, to be written into each of them:
+/// a change to it rewrites them all. (A namespace's profile, one or two
+/// rules that hardly ever change, is shared by every workload list of
+/// the namespace: a copy per shard is one chain more for each commit to
+/// pass over, 3,200 chains at 10,000 endpoints in 50 namespaces.)
+const SHARED_INLINE_RULES: usize = 64;
+
+/// Whether a chain of `rules` rules that `holders` list chains of a
+/// shard jump to is written into each of them (where it does the same,
+/// [`super::inline`]): one holder, whatever its size; more, while they
+/// hold at most [`SHARED_INLINE_RULES`] of its rules together.
+fn fits(holders: usize, rules: usize) -> bool {
+    holders <= 1 || holders * rules <= SHARED_INLINE_RULES
+}
+
 /// Policy list chain `list` of rules `body` into shard `s`, where it is
-/// new: programmed with the chains it alone jumps to there written in
-/// ([`super::inline`]); a list chain that had one of those to itself
-/// until now jumps to a shared copy again.
+/// new: programmed with the chains it alone jumps to there (and the
+/// small ones it shares, [`fits`]) written in ([`super::inline`]); a
+/// list chain that had one of those written in until now jumps to a
+/// shared copy again.
 pub(super) fn put_list(
     l: &mut Placement,
     main: &ChainTable,
@@ -106,9 +123,10 @@ pub(super) fn put_list(
     l.lists[s].insert(list.to_string(), body);
     let mut shared = BTreeSet::new();
     for t in targets {
+        let size = main.chain(&t).map_or(0, <[Rule]>::len);
         let h = l.holders[s].entry(t).or_default();
         h.insert(list.to_string());
-        if h.len() == 2 {
+        if fits(h.len() - 1, size) != fits(h.len(), size) {
             shared.extend(h.iter().filter(|x| *x != list).cloned());
         }
     }
@@ -123,7 +141,8 @@ pub(super) fn put_list(
 }
 
 /// Policy list chain `list` out of shard `s` (and what it alone jumped
-/// to); a list chain left alone with a chain it shared has it written in.
+/// to); a list chain left alone with a chain it shared (or few enough
+/// of them, [`fits`]) has it written in.
 pub(super) fn remove_list(
     l: &mut Placement,
     main: &ChainTable,
@@ -137,16 +156,15 @@ pub(super) fn remove_list(
     take_out(l, shard, s, list);
     let mut alone = BTreeSet::new();
     for t in chain_targets(l, &body) {
+        let size = main.chain(&t).map_or(0, <[Rule]>::len);
         let Some(h) = l.holders[s].get_mut(&t) else {
             continue;
         };
         h.remove(list);
-        match h.len() {
-            0 => {
-                l.holders[s].remove(&t);
-            }
-            1 => alone.extend(h.iter().cloned()),
-            _ => {}
+        if h.is_empty() {
+            l.holders[s].remove(&t);
+        } else if fits(h.len() + 1, size) != fits(h.len(), size) {
+            alone.extend(h.iter().cloned());
         }
     }
     for other in alone {
@@ -177,11 +195,8 @@ pub(super) fn render_list(
     let rendered = marks.render(
         body,
         |t| {
-            holders
-                .get(t)
-                .is_some_and(|h| h.len() == 1)
-                .then(|| main.chain(t))
-                .flatten()
+            let rules = main.chain(t)?;
+            fits(holders.get(t)?.len(), rules.len()).then_some(rules)
         },
         |t| main.chain(t),
     );

@@ -1,13 +1,14 @@
 //! A policy list chain as programmed: the policy and profile chains that
-//! it alone jumps to in its shard written in its place, where that does
-//! exactly what the jump did.
+//! it alone jumps to in its shard (and small ones it shares) written in
+//! their place, where that does exactly what the jump did.
 //!
 //! Every nf_tables commit costs the kernel a pass over every chain in the
 //! namespace (see [`super::super`]): a policy chain that one list chain
 //! uses is one chain more for every IP-set member added anywhere. Written
 //! into the list chain it is not a chain at all; its rules are the same
-//! rules, run in the same order. When a second list chain in the shard
-//! comes to use it, both jump to one copy again ([`super::copies`]).
+//! rules, run in the same order. When more list chains in the shard come
+//! to use it than its size allows (`copies::fits`), they all jump to one
+//! copy again ([`super::copies`]).
 //!
 //! A jump `J` to chain `T`, followed in the list chain by
 //! `-m mark --mark <accept>/<accept> -j RETURN` (as every policy and
@@ -76,8 +77,9 @@ impl Marks<'_> {
     }
 
     /// List chain `body` as programmed: each jump to a chain `sole`
-    /// gives the rules of (those this list chain alone jumps to in its
-    /// shard) written in its place where that does the same.
+    /// gives the rules of (those to be written into the list chains that
+    /// use them) written in its place where that does the same; `known`
+    /// gives any chain's rules.
     pub(super) fn render<'r>(
         &self,
         body: &[Rule],

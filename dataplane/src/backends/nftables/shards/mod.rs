@@ -14,9 +14,10 @@
 //!   10,000 replicas of a few deployments cost a few chains per shard, not
 //!   20,000. The chain goes with the last endpoint that uses it; one whose
 //!   policies change moves to the chain of its new rules. A policy or
-//!   profile chain that one list chain alone jumps to in the shard is
-//!   written into it where that does the same (`inline`: a chain
-//!   fewer); shared, it is a copy they all jump to. A restart finds
+//!   profile chain that one list chain alone jumps to in the shard (or
+//!   a few, if it is small: a namespace's profile) is written into them
+//!   where that does the same (`inline`: a chain fewer); otherwise it is
+//!   a copy they all jump to. A restart finds
 //!   the interfaces where the shards' dispatch maps name them.
 //!   An interface stays in the shard it was first put in; a new one
 //!   goes to the shard its IP sets point at (endpoints whose policies look

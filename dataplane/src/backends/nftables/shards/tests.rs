@@ -385,15 +385,23 @@ fn allow(port: u16) -> Vec<Rule> {
     ]
 }
 
+/// A policy of `n` allows from port `port` on.
+fn allows(port: u16, n: u16) -> Vec<Rule> {
+    (port..port + n).flat_map(allow).collect()
+}
+
 /// A policy that one policy list chain alone jumps to in its shard is
-/// written into it (one chain fewer for every commit to pass over); a
-/// second list chain that comes to use it makes both jump to a copy
-/// again, and the copy goes when one is left; a change to it is written
-/// where it is; a pass is never written in.
+/// written into it (one chain fewer for every commit to pass over), and
+/// so is a small one several share; a second list chain that comes to
+/// use a big one makes both jump to a copy again, and the copy goes
+/// when one is left; a change to it is written where it is; a pass is
+/// never written in.
 #[test]
 fn a_policy_one_list_chain_uses_is_written_into_it() {
     let mut f = filter(4);
-    for (p, port) in [("a", 80), ("b", 81), ("c", 82)] {
+    // a: 66 rules, too many to write into two list chains (64).
+    f.set_chain("dph-pi-a", allows(80, 33)).unwrap();
+    for (p, port) in [("b", 181), ("c", 182)] {
         f.set_chain(&format!("dph-pi-{p}"), allow(port)).unwrap();
     }
     f.set_chain("dph-tw-cali0", tiered(&["dph-pi-a"])).unwrap();
@@ -406,16 +414,18 @@ fn a_policy_one_list_chain_uses_is_written_into_it() {
         c.rules.iter().map(|r| r.text().to_string()).collect()
     };
     let copied = |f: &Filter, p: &str| f.shards[s].desired(p).is_some();
+    let t0 = texts(&f, "cali0");
     assert_eq!(
-        texts(&f, "cali0")[4..7],
+        [&t0[4], &t0[5], &t0[4 + 65], &t0[4 + 66]],
         [
             "-m set --match-set dph-s0 src -p tcp --dport 80 -j MARK --set-xmark 0x10000/0x10000",
             "-m mark --mark 0x10000/0x10000 -j RETURN",
             "-m mark --mark 0x10000/0x10000 -j RETURN",
+            "-m mark --mark 0x10000/0x10000 -j RETURN",
         ],
-        "{:?}",
-        texts(&f, "cali0")
+        "a's 66 rules where the jump was: {t0:?}"
     );
+    assert!(t0.iter().all(|t| !t.contains("-j dph-pi-a")), "{t0:?}");
     assert!(!copied(&f, "dph-pi-a") && !copied(&f, "dph-pi-b"));
     // cali2's list (a then c) shares a: a is a copy both jump to; c is
     // cali2's alone.
@@ -430,7 +440,16 @@ fn a_policy_one_list_chain_uses_is_written_into_it() {
             "{iface} jumps to the shared copy"
         );
     }
-    assert!(texts(&f, "cali2").iter().any(|t| t.contains("--dport 82")));
+    assert!(texts(&f, "cali2").iter().any(|t| t.contains("--dport 182")));
+    // cali3 shares c (two rules) with cali2: written into both.
+    f.set_chain("dph-tw-cali3", tiered(&["dph-pi-c"])).unwrap();
+    f.settle().unwrap();
+    assert_eq!(f.placement()["cali3"], s);
+    assert!(!copied(&f, "dph-pi-c"));
+    for iface in ["cali2", "cali3"] {
+        assert!(texts(&f, iface).iter().any(|t| t.contains("--dport 182")));
+    }
+    f.remove_chain("dph-tw-cali3");
     // cali2 goes: a is cali0's alone again.
     f.remove_chain("dph-tw-cali2");
     f.settle().unwrap();
@@ -444,6 +463,20 @@ fn a_policy_one_list_chain_uses_is_written_into_it() {
     assert_eq!(ingress(&f, "cali0").0, name);
     assert!(texts(&f, "cali0").iter().any(|t| t.contains("--dport 90")));
     assert!(!texts(&f, "cali0").iter().any(|t| t.contains("--dport 80")));
+    // Now small (two rules): cali2 coming back shares it written in.
+    f.set_chain("dph-tw-cali2", tiered(&["dph-pi-a", "dph-pi-c"]))
+        .unwrap();
+    f.settle().unwrap();
+    assert!(!copied(&f, "dph-pi-a"));
+    assert!(texts(&f, "cali2").iter().any(|t| t.contains("--dport 90")));
+    // Grown past what two list chains may hold: a copy both jump to.
+    f.set_chain("dph-pi-a", allows(90, 33)).unwrap();
+    f.settle().unwrap();
+    assert!(copied(&f, "dph-pi-a"));
+    assert!(texts(&f, "cali2").contains(&"-m mark --mark 0/0x20000 -j dph-pi-a".to_string()));
+    f.remove_chain("dph-tw-cali2");
+    f.settle().unwrap();
+    assert!(!copied(&f, "dph-pi-a"));
     // A pass: jumped to (a copy) — written in, its return would end the
     // list chain with no accept mark, which a shard lets through.
     f.set_chain(
