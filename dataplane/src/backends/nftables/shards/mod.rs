@@ -124,9 +124,10 @@ struct Placement {
     /// Per shard: the chains copied from filter, and how many chains
     /// there jump to each.
     refs: Vec<HashMap<String, usize>>,
-    /// Per shard and direction: its interfaces, each with the policy
-    /// list chain (named by its rules) its dispatch goes to.
-    members: Vec<[BTreeMap<String, String>; 2]>,
+    /// Per shard and direction: its interfaces, each with its entry in
+    /// the shard's dispatch (`-o <iface> -g <list chain>`: the policy list
+    /// chain, named by its rules, is the entry's target).
+    members: Vec<[BTreeMap<String, Rule>; 2]>,
     /// Per shard: its policy list chains, and how many endpoint chains
     /// each stands for.
     users: Vec<HashMap<String, usize>>,
@@ -382,7 +383,10 @@ impl Filter {
                         continue;
                     }
                     *l.users[s].entry(list.clone()).or_insert(0) += 1;
-                    let went = l.members[s][dir as usize].insert(iface.clone(), list.clone());
+                    let entry = l.entry(dir, &iface, &list);
+                    let went = l.members[s][dir as usize]
+                        .insert(iface.clone(), entry)
+                        .and_then(|e| e.target().map(str::to_string));
                     match &went {
                         Some(old) => {
                             if let Err(e) = release(l, &self.main, shard, s, old) {
@@ -399,7 +403,10 @@ impl Filter {
                     let Some(&s) = l.placed.get(&iface) else {
                         continue;
                     };
-                    if let Some(old) = l.members[s][dir as usize].remove(&iface) {
+                    let old = l.members[s][dir as usize]
+                        .remove(&iface)
+                        .and_then(|e| e.target().map(str::to_string));
+                    if let Some(old) = old {
                         if let Err(e) = release(l, &self.main, &mut self.shards[s], s, &old) {
                             refused.get_or_insert(e);
                         }

@@ -116,24 +116,31 @@ impl Placement {
         }
     }
 
+    /// Interface `iface`'s entry in its shard's dispatch in `dir`: to
+    /// policy list chain `list`.
+    pub(super) fn entry(&self, dir: Dir, iface: &str, list: &str) -> Rule {
+        let flag = match dir {
+            Dir::From => "-i",
+            Dir::To => "-o",
+        };
+        rule(&format!("{flag} {iface} -g {list}"))
+    }
+
     /// Shard `s`'s dispatch chains and hooks, from its interfaces.
     pub(super) fn dispatch(&self, shard: &mut ChainTable, s: usize) -> Result<(), RuleError> {
         let mut forward = Vec::new();
         let mut input = Vec::new();
         for dir in [Dir::From, Dir::To] {
-            let (flag, chain) = match dir {
-                Dir::From => ("-i", format!("{}from-wl-shard", self.chain_prefix)),
-                Dir::To => ("-o", format!("{}to-wl-shard", self.chain_prefix)),
+            let chain = match dir {
+                Dir::From => format!("{}from-wl-shard", self.chain_prefix),
+                Dir::To => format!("{}to-wl-shard", self.chain_prefix),
             };
             let members = &self.members[s][dir as usize];
             if members.is_empty() {
                 shard.remove_chain(&chain);
                 continue;
             }
-            let mut rules: Vec<Rule> = members
-                .iter()
-                .map(|(i, list)| rule(&format!("{flag} {i} -g {list}")))
-                .collect();
+            let mut rules: Vec<Rule> = members.values().cloned().collect();
             rules.push(rule("-j RETURN"));
             shard.set_chain(&chain, rules)?;
             let hook = on_bit(self.bit(dir), &format!("-j {chain}"));

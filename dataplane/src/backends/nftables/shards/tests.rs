@@ -14,7 +14,9 @@ fn filter(n: usize) -> Filter {
 /// filter's shard holds it.
 fn ingress<'a>(f: &'a Filter, iface: &str) -> (&'a str, &'a super::super::chains::DesiredChain) {
     let s = f.placement()[iface];
-    let list = f.layout.as_ref().unwrap().members[s][Dir::To as usize][iface].as_str();
+    let list = f.layout.as_ref().unwrap().members[s][Dir::To as usize][iface]
+        .target()
+        .expect("a goto");
     (list, f.shards[s].desired(list).expect("in its shard"))
 }
 
