@@ -106,6 +106,37 @@ fn fits(holders: usize, rules: usize) -> bool {
     holders <= 1 || holders * rules <= SHARED_INLINE_RULES
 }
 
+/// List chain `list` joins (or leaves) the holders of each chain of
+/// `targets` in shard `s`: the other holders for which that changes
+/// whether the chain is written into them ([`fits`]).
+fn hold(
+    l: &mut Placement,
+    main: &ChainTable,
+    s: usize,
+    list: &str,
+    targets: BTreeSet<String>,
+    joins: bool,
+) -> BTreeSet<String> {
+    let mut changed = BTreeSet::new();
+    for t in targets {
+        let size = main.chain(&t).map_or(0, <[Rule]>::len);
+        let h = l.holders[s].entry(t.clone()).or_default();
+        let before = h.len();
+        if joins {
+            h.insert(list.to_string());
+        } else {
+            h.remove(list);
+        }
+        if fits(before, size) != fits(h.len(), size) {
+            changed.extend(h.iter().filter(|x| *x != list).cloned());
+        }
+        if h.is_empty() {
+            l.holders[s].remove(&t);
+        }
+    }
+    changed
+}
+
 /// Policy list chain `list` of rules `body` into shard `s`, where it is
 /// new: programmed with the chains it alone jumps to there (and the
 /// small ones it shares, [`fits`]) written in ([`super::inline`]); a
@@ -121,15 +152,7 @@ pub(super) fn put_list(
 ) -> Result<(), RuleError> {
     let targets = chain_targets(l, &body);
     l.lists[s].insert(list.to_string(), body);
-    let mut shared = BTreeSet::new();
-    for t in targets {
-        let size = main.chain(&t).map_or(0, <[Rule]>::len);
-        let h = l.holders[s].entry(t).or_default();
-        h.insert(list.to_string());
-        if fits(h.len() - 1, size) != fits(h.len(), size) {
-            shared.extend(h.iter().filter(|x| *x != list).cloned());
-        }
-    }
+    let shared = hold(l, main, s, list, targets, true);
     if let Err(e) = render_list(l, main, shard, s, list) {
         remove_list(l, main, shard, s, list)?;
         return Err(e);
@@ -154,20 +177,8 @@ pub(super) fn remove_list(
         return Ok(());
     };
     take_out(l, shard, s, list);
-    let mut alone = BTreeSet::new();
-    for t in chain_targets(l, &body) {
-        let size = main.chain(&t).map_or(0, <[Rule]>::len);
-        let Some(h) = l.holders[s].get_mut(&t) else {
-            continue;
-        };
-        h.remove(list);
-        if h.is_empty() {
-            l.holders[s].remove(&t);
-        } else if fits(h.len() + 1, size) != fits(h.len(), size) {
-            alone.extend(h.iter().cloned());
-        }
-    }
-    for other in alone {
+    let targets = chain_targets(l, &body);
+    for other in hold(l, main, s, list, targets, false) {
         render_list(l, main, shard, s, &other)?;
     }
     Ok(())
