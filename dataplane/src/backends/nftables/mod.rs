@@ -60,8 +60,9 @@
 //! would), the shard looks the interface up in a verdict map and applies
 //! the endpoint's policy (a drop in any table is final), and filter's end
 //! check (priority 20) drops what no shard took (fail closed). A new
-//! interface goes to the shard its IP sets point at, so endpoints that
-//! look up the same sets share a shard and each set is copied few times.
+//! interface goes to a shard that has its policy list chain already, else
+//! to the shard its IP sets point at, so endpoints that look up the same
+//! sets share a shard and each set is copied few times.
 //! A set no rule looks up lives in filter (every set is somewhere; a big
 //! one is not copied into filter as well); a table holds only the sets
 //! its rules use. With 0 or 1 shard, or a mark mask without the two

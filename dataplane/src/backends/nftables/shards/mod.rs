@@ -20,11 +20,12 @@
 //!   a copy they all jump to. A restart finds
 //!   the interfaces where the shards' dispatch maps name them.
 //!   An interface stays in the shard it was first put in; a new one
-//!   goes to the shard its IP sets point at (endpoints whose policies look
-//!   up the same sets share a shard, so the sets are copied few times and
-//!   a policy change walks the few shards its endpoints are in), unless
-//!   that shard is a quarter fuller than the average, then to the
-//!   emptiest;
+//!   goes to a shard that has its policy list chain already (no chain
+//!   more), else to the shard its IP sets point at (endpoints whose
+//!   policies look up the same sets share a shard, so the sets are copied
+//!   few times and a policy change walks the few shards its endpoints are
+//!   in), unless that shard is a quarter fuller than the average, then to
+//!   the emptiest;
 //! - everything else stays in filter, where the workload dispatch is one
 //!   goto per direction (the managers' tree of interfaces is not
 //!   programmed: only the shards' maps know the interfaces, so an
@@ -369,7 +370,9 @@ impl Filter {
                     let s = match l.placed.get(&iface) {
                         Some(s) => *s,
                         None => {
-                            let s = l.choose(&self.main, &body);
+                            let s = l
+                                .with_list(&list)
+                                .unwrap_or_else(|| l.choose(&self.main, &body));
                             l.placed.insert(iface.clone(), s);
                             s
                         }

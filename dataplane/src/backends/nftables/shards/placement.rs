@@ -79,6 +79,26 @@ impl Placement {
         }
     }
 
+    /// Most endpoint chains a shard takes a new interface at: a quarter
+    /// more than the average.
+    fn cap(&self) -> usize {
+        let n = self.load.len();
+        let total: usize = self.load.iter().sum();
+        total / n + total / (4 * n) + 8
+    }
+
+    /// The shard for a new interface whose endpoint chain would be policy
+    /// list chain `list`: of those that have that list chain already (no
+    /// chain more: a replica whose twin went elsewhere when its own shard
+    /// was full), the emptiest, unless it is full.
+    pub(super) fn with_list(&self, list: &str) -> Option<usize> {
+        let cap = self.cap();
+        (0..self.load.len())
+            .filter(|&s| self.users[s].contains_key(list))
+            .min_by_key(|&s| self.load[s])
+            .filter(|&s| self.load[s] < cap)
+    }
+
     /// The shard for a new interface whose endpoint chain is `rules`: the
     /// one the IP sets of the chains it jumps to point at, unless that
     /// one is a quarter fuller than the average (then the emptiest).
@@ -87,8 +107,7 @@ impl Placement {
     /// spreads them (a list has at most one chain per shard).
     pub(super) fn choose(&self, main: &ChainTable, rules: &[Rule]) -> usize {
         let n = self.load.len();
-        let total: usize = self.load.iter().sum();
-        let cap = total / n + total / (4 * n) + 8;
+        let cap = self.cap();
         let mut sets: BTreeSet<&str> = BTreeSet::new();
         for t in rules.iter().filter_map(Rule::target) {
             if let Some(c) = main.desired(t) {

@@ -359,6 +359,40 @@ fn endpoints_with_the_same_policies_share_a_chain() {
     assert!(f.shards[s].desired("dph-pi-pol-0").is_none());
 }
 
+/// A new interface whose policy list chain a shard has already joins
+/// it there (no chain more), even where its sets would send it elsewhere:
+/// a replica whose twin was put in another shard (its own was full, or a
+/// restart found it there).
+#[test]
+fn a_twin_joins_its_list_chain() {
+    let mut f = filter(4);
+    workloads(&mut f, &["cali0"], 1);
+    let rules = |f: &Filter, dir: &str| f.chain(&format!("dph-{dir}-cali0")).unwrap().to_vec();
+    let preferred = {
+        let l = f.layout.as_ref().unwrap();
+        l.choose(&f.main, &rules(&f, "tw"))
+    };
+    let other = (preferred + 1) % 4;
+    f.layout
+        .as_mut()
+        .unwrap()
+        .placed
+        .insert("cali0".into(), other);
+    f.settle().unwrap();
+    assert_eq!(f.placement()["cali0"], other);
+    for dir in ["fw", "tw"] {
+        let r = rules(&f, dir);
+        f.set_chain(&format!("dph-{dir}-twin"), r).unwrap();
+    }
+    f.settle().unwrap();
+    assert_eq!(
+        f.placement()["twin"],
+        other,
+        "with its twin, not in {preferred}"
+    );
+    assert_eq!(ingress(&f, "twin").0, ingress(&f, "cali0").0);
+}
+
 /// A workload's ingress chain as the endpoints manager writes it: one
 /// tier of `policies`, then a drop.
 fn tiered(policies: &[&str]) -> Vec<Rule> {
