@@ -25,7 +25,7 @@
 //! Both write only where the value differs, in the daemon's network
 //! namespace.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use tracing::{debug, error, info, instrument, warn};
@@ -55,7 +55,10 @@ pub struct Sysctls {
     desired: BTreeMap<String, &'static str>,
     /// What we last found or wrote.
     seen: BTreeMap<String, String>,
-    changed: bool,
+    /// Every knob is to be looked at by the next apply.
+    all: bool,
+    /// Else only these (set or gone since the last apply).
+    pending: BTreeSet<String>,
 }
 
 impl Sysctls {
@@ -65,14 +68,34 @@ impl Sysctls {
             root: root.into(),
             desired: BTreeMap::new(),
             seen: BTreeMap::new(),
-            changed: false,
+            all: false,
+            pending: BTreeSet::new(),
         }
     }
 
     pub fn set(&mut self, desired: BTreeMap<String, &'static str>) {
         if desired != self.desired {
             self.desired = desired;
-            self.changed = true;
+            self.all = true;
+        }
+    }
+
+    /// The knobs as set.
+    pub fn desired(&self) -> &BTreeMap<String, &'static str> {
+        &self.desired
+    }
+
+    /// Some knobs set (`Some`) or no longer ours (`None`), the others as
+    /// they were: the next apply looks at these alone.
+    pub fn patch(&mut self, knobs: impl IntoIterator<Item = (String, Option<&'static str>)>) {
+        for (key, want) in knobs {
+            let changed = match want {
+                Some(v) => self.desired.insert(key.clone(), v) != Some(v),
+                None => self.desired.remove(&key).is_some(),
+            };
+            if changed {
+                self.pending.insert(key);
+            }
         }
     }
 }
@@ -87,24 +110,35 @@ impl Backend for Sysctls {
     }
 
     fn is_dirty(&self, phase: Phase) -> bool {
-        phase == Phase::RoutesAndRules && self.changed
+        phase == Phase::RoutesAndRules && (self.all || !self.pending.is_empty())
     }
 
     fn request_resync(&mut self, refresh: Refresh) {
         if refresh == Refresh::Routes {
             self.seen.clear();
-            self.changed = !self.desired.is_empty();
+            self.all = !self.desired.is_empty();
         }
     }
 
     #[instrument(level = "debug", skip(self), fields(backend = "sysctls"))]
     fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
-        self.seen.retain(|k, _| self.desired.contains_key(k));
-        for (key, want) in &self.desired {
+        let pending = std::mem::take(&mut self.pending);
+        let keys: Box<dyn Iterator<Item = (&String, &&'static str)>> = if self.all {
+            self.seen.retain(|k, _| self.desired.contains_key(k));
+            Box::new(self.desired.iter())
+        } else {
+            for k in pending.iter().filter(|k| !self.desired.contains_key(*k)) {
+                self.seen.remove(k);
+            }
+            Box::new(pending.iter().filter_map(|k| self.desired.get_key_value(k)))
+        };
+        for (key, want) in keys {
             if self.seen.get(key).map(String::as_str) == Some(*want) {
                 continue;
             }
-            match ensure(&self.root, key, want)? {
+            // A failure leaves every knob to be looked at again.
+            let found = ensure(&self.root, key, want).inspect_err(|_| self.all = true);
+            match found? {
                 // The interface is gone (or the knob does not exist in this
                 // kernel): nothing to set.
                 Ensured::Absent => continue,
@@ -113,7 +147,7 @@ impl Backend for Sysctls {
             }
             self.seen.insert(key.clone(), (*want).to_string());
         }
-        self.changed = false;
+        self.all = false;
         Ok(ApplyOutcome::default())
     }
 }
@@ -342,6 +376,47 @@ mod tests {
             "left as it was"
         );
         assert!(!s.is_dirty(Phase::RoutesAndRules));
+    }
+
+    /// A patch is applied alone: the knobs it names are looked at (and a
+    /// knob of another interface changed by hand meanwhile is not, until
+    /// a refresh); a knob no longer ours is forgotten, so that it is
+    /// written again if it comes back.
+    #[test]
+    fn a_patch_looks_at_its_own_knobs() {
+        let dir = tempfile::tempdir().unwrap();
+        for i in ["cali1", "cali2"] {
+            let knob = dir.path().join(format!("net/ipv4/conf/{i}"));
+            std::fs::create_dir_all(&knob).unwrap();
+            std::fs::write(knob.join("proxy_arp"), "0\n").unwrap();
+        }
+        let arp = |i: &str| format!("net/ipv4/conf/{i}/proxy_arp");
+        let mut s = Sysctls::new(dir.path());
+        s.set([(arp("cali1"), "1")].into_iter().collect());
+        s.apply(Phase::RoutesAndRules).unwrap();
+        assert_eq!(read(&dir, &arp("cali1")), "1");
+        // By hand, behind our back.
+        std::fs::write(dir.path().join(arp("cali1")), "0\n").unwrap();
+        s.patch([(arp("cali2"), Some("1"))]);
+        assert!(s.is_dirty(Phase::RoutesAndRules));
+        s.apply(Phase::RoutesAndRules).unwrap();
+        assert_eq!(read(&dir, &arp("cali2")), "1");
+        assert_eq!(read(&dir, &arp("cali1")), "0", "not in the patch");
+        // The same again is no change.
+        s.patch([(arp("cali2"), Some("1"))]);
+        assert!(!s.is_dirty(Phase::RoutesAndRules));
+        // Gone, set by hand, back: written again.
+        s.patch([(arp("cali2"), None)]);
+        s.apply(Phase::RoutesAndRules).unwrap();
+        std::fs::write(dir.path().join(arp("cali2")), "0\n").unwrap();
+        s.patch([(arp("cali2"), Some("1"))]);
+        s.apply(Phase::RoutesAndRules).unwrap();
+        assert_eq!(read(&dir, &arp("cali2")), "1");
+        // A refresh looks at every knob.
+        s.request_resync(Refresh::Routes);
+        s.apply(Phase::RoutesAndRules).unwrap();
+        assert_eq!(read(&dir, &arp("cali1")), "1");
+        assert_eq!(s.desired().len(), 2);
     }
 
     /// A /proc/sys of files, with the three global knobs at `v4`, `v6`

@@ -197,6 +197,32 @@ impl Routes {
         }
     }
 
+    /// Part of one source's share: routes set (`Some`) or gone (`None`)
+    /// and neighbours in (`true`) or out, the rest of the share as it
+    /// was; what waits for a missing device is looked at again, as after
+    /// [`Self::set`]. For a source whose share is made of many small,
+    /// independent parts (a workload interface's routes), so that a
+    /// change costs its part, not the whole share.
+    pub fn patch(
+        &mut self,
+        source: RouteSource,
+        routes: impl IntoIterator<Item = (RouteKey, Option<RouteTarget>)>,
+        neighbours: impl IntoIterator<Item = (Neighbour, bool)>,
+    ) {
+        for (key, target) in routes {
+            self.update(source, key, target);
+        }
+        let share = self.neighbours.entry(source).or_default();
+        for (n, present) in neighbours {
+            self.neighbours_changed |= if present {
+                share.insert(n)
+            } else {
+                share.remove(&n)
+            };
+        }
+        self.retry_unresolved();
+    }
+
     /// One route of one source: `None` removes it.
     pub fn update(&mut self, source: RouteSource, key: RouteKey, target: Option<RouteTarget>) {
         let share = self.routes.entry(source).or_default();

@@ -660,3 +660,70 @@ fn routes_waiting_for_a_device_keep_waiting_across_other_changes() {
     assert_eq!(k.take_writes().len(), 1);
     assert!(r.summary().missing_devices.is_empty());
 }
+
+/// A patch changes its routes and neighbours and leaves the rest of the
+/// source's share as it was.
+#[test]
+fn a_patch_writes_its_own_routes_and_neighbours() {
+    let k = Fake::with_links(&[(3, "cali1"), (4, "cali2")]);
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    r.set(
+        RouteSource::Workloads,
+        [(key("10.65.0.2/32"), dev_route("cali1"))].into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    k.take_writes();
+    let n = Neighbour {
+        dev: "cali2".into(),
+        addr: "10.65.0.3".parse().unwrap(),
+        mac: mac("02:00:00:00:00:03"),
+    };
+    r.patch(
+        RouteSource::Workloads,
+        [(key("10.65.0.3/32"), Some(dev_route("cali2")))],
+        [(n.clone(), true)],
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![
+            RouteOp::ReplaceNeighbour {
+                ifindex: 4,
+                addr: "10.65.0.3".parse().unwrap(),
+                mac: mac("02:00:00:00:00:03"),
+            },
+            replace("10.65.0.3/32", &dev_route("cali2"), Some(4)),
+        ]
+    );
+    // The same again changes nothing.
+    r.patch(
+        RouteSource::Workloads,
+        [(key("10.65.0.3/32"), Some(dev_route("cali2")))],
+        [(n.clone(), true)],
+    );
+    assert!(!r.is_dirty(Phase::RoutesAndRules));
+    r.patch(
+        RouteSource::Workloads,
+        [(key("10.65.0.2/32"), None)],
+        [(n, false)],
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![
+            RouteOp::DeleteRoute(key("10.65.0.2/32")),
+            RouteOp::DeleteNeighbour {
+                ifindex: 4,
+                addr: "10.65.0.3".parse().unwrap(),
+            },
+        ]
+    );
+    assert_eq!(
+        r.desired()
+            .keys()
+            .map(|k| k.dst.to_string())
+            .collect::<Vec<_>>(),
+        ["10.65.0.3/32"]
+    );
+}

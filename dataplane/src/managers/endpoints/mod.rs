@@ -46,15 +46,14 @@
 
 mod chains;
 mod hosts;
+mod links;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
 use crate::backends::iptables::{Rule, RuleError};
-use crate::backends::routes::RouteSource;
 use crate::model::ipsets::SetNames;
-use crate::model::routes::{RouteClass, RouteKey, RouteKind, RouteTarget};
 use crate::model::{
     EndpointState, HostEndpoint, HostEndpointId, Id, IpVersion, Key, Policy, PolicyId, Profile,
     Update, WorkloadEndpoint, WorkloadEndpointId,
@@ -145,8 +144,8 @@ struct Dirty {
     dispatch: bool,
     /// Host endpoints, top-level chains.
     statics: bool,
-    /// Routes, neighbours and sysctls.
-    routes: bool,
+    /// The routes, neighbours and sysctls of these interfaces.
+    links: BTreeSet<String>,
 }
 
 impl Dirty {
@@ -154,8 +153,8 @@ impl Dirty {
         self.all
             || self.dispatch
             || self.statics
-            || self.routes
             || !(self.policies.is_empty()
+                && self.links.is_empty()
                 && self.profiles.is_empty()
                 && self.workloads.is_empty()
                 && self.sets.is_empty())
@@ -216,6 +215,9 @@ pub struct EndpointsManager {
     /// The dispatch leaves the last render found as they were (not
     /// rendered again; still owned).
     dispatch_kept: std::cell::RefCell<Vec<String>>,
+    /// Each interface's routes, neighbours and knobs as last handed to
+    /// the backends.
+    links: links::LinkShares,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -305,6 +307,7 @@ impl EndpointsManager {
             owned: HashMap::new(),
             claims: HashMap::new(),
             warned: BTreeSet::new(),
+            links: Default::default(),
         }
     }
 
@@ -483,60 +486,6 @@ impl EndpointsManager {
         Ok(())
     }
 
-    /// /32 and /128 routes to each workload whose interface exists, and a
-    /// permanent neighbour entry for each IPv4 address when the MAC is
-    /// known. IPv6 neighbours are left to NDP, as in Felix (its static
-    /// entries are ARP only): the host solicits, the workload answers, and
-    /// the ICMPv6 exception in `dph-INPUT` lets the answer through whatever
-    /// the workload's egress policy says.
-    fn routes(
-        &self,
-    ) -> (
-        BTreeMap<RouteKey, RouteTarget>,
-        BTreeSet<crate::model::routes::Neighbour>,
-    ) {
-        let (mut routes, mut neighbours) = (BTreeMap::new(), BTreeSet::new());
-        for (id, ep) in &self.endpoints {
-            let dev = ep.name.as_str();
-            if !self.host_links.links.contains_key(dev) {
-                continue; // CNI has not made it yet; retried when it appears
-            }
-            if !self.active(id, ep) {
-                continue; // shadowed: its interface routes the active one's
-            }
-            let nets = ep
-                .ipv4_nets
-                .iter()
-                .map(|n| ipnet::IpNet::V4(*n))
-                .chain(ep.ipv6_nets.iter().map(|n| ipnet::IpNet::V6(*n)));
-            for net in nets {
-                routes.insert(
-                    RouteKey::main(net),
-                    RouteTarget {
-                        class: RouteClass::LocalWorkload,
-                        kind: RouteKind::Unicast,
-                        dev: Some(dev.to_string()),
-                        gateway: None,
-                        onlink: false,
-                        protocol: self.cfg.device_route_protocol,
-                        mtu: None,
-                    },
-                );
-                if let Some(mac) = &ep.mac
-                    && matches!(net, ipnet::IpNet::V4(_))
-                    && net.prefix_len() == net.max_prefix_len()
-                {
-                    neighbours.insert(crate::model::routes::Neighbour {
-                        addr: net.addr(),
-                        dev: dev.to_string(),
-                        mac: *mac,
-                    });
-                }
-            }
-        }
-        (routes, neighbours)
-    }
-
     fn warn_unsupported(&mut self) {
         let Some(id) = self.resolved.all.clone() else {
             return;
@@ -555,7 +504,9 @@ impl EndpointsManager {
     }
 
     fn on_link_change(&mut self, name: &str) {
-        self.dirty.routes |= self.by_name.contains_key(name);
+        if self.by_name.contains_key(name) {
+            self.dirty.links.insert(name.to_string());
+        }
         self.dirty.statics |= !self.hosts.is_empty();
     }
 }
@@ -653,7 +604,11 @@ impl Manager for EndpointsManager {
                 self.index(id, ep, true);
                 self.interface_changed(ep.name.as_str());
                 self.dirty.workloads.insert(id.clone());
-                self.dirty.routes = true;
+                let names = old
+                    .iter()
+                    .map(|o| o.name.as_str())
+                    .chain([ep.name.as_str()]);
+                self.dirty.links.extend(names.map(str::to_string));
                 // A new or renamed interface changes the dispatch chains.
                 self.dirty.dispatch |= old.is_none_or(|o| o.name != ep.name);
             }
@@ -662,7 +617,7 @@ impl Manager for EndpointsManager {
                     self.index(id, &o, false);
                     self.interface_changed(o.name.as_str());
                     self.dirty.workloads.insert(id.clone());
-                    self.dirty.routes = true;
+                    self.dirty.links.insert(o.name.as_str().to_string());
                     self.dirty.dispatch = true;
                 }
             }
@@ -817,23 +772,8 @@ impl Manager for EndpointsManager {
             self.dirty.all = true;
             return Err(e);
         }
-        if d.all || d.routes {
-            if let Some(r) = &mut kernel.routes {
-                let (routes, neighbours) = self.routes();
-                r.set(RouteSource::Workloads, routes, neighbours);
-            }
-            let ipv6 = kernel
-                .rule_tables_mut()
-                .any(|t| t.version() == IpVersion::V6);
-            if let Some(sc) = &mut kernel.sysctls {
-                let knobs = self
-                    .endpoints
-                    .values()
-                    .filter(|ep| self.host_links.links.contains_key(ep.name.as_str()))
-                    .flat_map(|ep| crate::backends::sysctl::workload_knobs(ep.name.as_str(), ipv6))
-                    .collect();
-                sc.set(knobs);
-            }
+        if d.all || !d.links.is_empty() {
+            self.update_links(kernel, d.all, d.links);
         }
         Ok(())
     }

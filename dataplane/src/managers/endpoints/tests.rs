@@ -932,11 +932,16 @@ fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
     ep.ipv6_nets = vec!["fd00:65::2/128".parse().unwrap()];
     m.on_update(&Update::WorkloadEndpoint(wid, ep));
     link(&mut m, 7, "cali1", "fe80::ecee:eeff:feee:eeee/64");
-    let (routes, neighbours) = m.routes();
+    let share = m.link_share("cali1", false);
     assert_eq!(
-        routes.keys().map(|k| k.dst.to_string()).collect::<Vec<_>>(),
+        share
+            .routes
+            .iter()
+            .map(|(k, _)| k.dst.to_string())
+            .collect::<Vec<_>>(),
         ["10.65.0.2/32", "fd00:65::2/128"]
     );
+    let neighbours = share.neighbours;
     assert_eq!(
         neighbours
             .iter()
@@ -1192,4 +1197,204 @@ fn a_sharded_nftables_filter_gets_no_dispatch_tree() {
     // The endpoints go to the shards (at the next plan).
     k.nftables[0].filter.settle().unwrap();
     assert_eq!(k.nftables[0].filter.placement().len(), 40);
+}
+
+/// Seams never called: the routes backend is only read for its desired
+/// state.
+#[derive(Debug)]
+struct NoRoutes;
+
+impl crate::backends::routes::RouteSeam for NoRoutes {
+    fn links(
+        &mut self,
+    ) -> Result<Vec<crate::backends::routes::Link>, crate::backends::BackendError> {
+        unreachable!()
+    }
+    fn routes(
+        &mut self,
+    ) -> Result<Vec<crate::backends::routes::KernelRoute>, crate::backends::BackendError> {
+        unreachable!()
+    }
+    fn neighbours(
+        &mut self,
+    ) -> Result<
+        (
+            Vec<crate::backends::routes::KernelNeighbour>,
+            Vec<crate::backends::routes::KernelFdb>,
+        ),
+        crate::backends::BackendError,
+    > {
+        unreachable!()
+    }
+    fn write(
+        &mut self,
+        _: &[crate::backends::routes::RouteOp],
+    ) -> Vec<(usize, crate::backends::BackendError)> {
+        unreachable!()
+    }
+}
+
+/// The workload routes, neighbours and knobs of `k`, as text.
+fn link_state(k: &DesiredKernel) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let r = k.routes.as_ref().unwrap();
+    let routes = r
+        .desired()
+        .iter()
+        .map(|(k, t)| format!("{} dev {}", k.dst, t.dev.as_deref().unwrap_or("-")))
+        .collect();
+    let neighbours = r
+        .desired_neighbours()
+        .iter()
+        .map(|n| format!("{} {}", n.addr, n.dev))
+        .collect();
+    let knobs = k
+        .sysctls
+        .as_ref()
+        .unwrap()
+        .desired()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    (routes, neighbours, knobs)
+}
+
+/// An endpoint or link that changes patches its own interface's routes,
+/// neighbours and knobs; after every step they are what a daemon that
+/// started with the same state computes whole.
+#[test]
+fn routes_and_knobs_follow_each_interface_as_a_restart_would_find_them() {
+    use crate::backends::routes::{RouteOwnership, Routes};
+    use crate::interfaces::InterfaceEvent as E;
+    let kernel = || {
+        let mut k = kernel(IpVersion::V4);
+        k.routes = Some(Routes::new(
+            RouteOwnership {
+                exclusive_protocol: 80,
+                device_protocol: 3,
+                workload_prefix: "cali".into(),
+                remove_external_routes: true,
+                tunnel_devices: vec![],
+                tables: vec![],
+            },
+            Box::new(NoRoutes),
+        ));
+        k.sysctls = Some(crate::backends::sysctl::Sysctls::new("/nonexistent"));
+        k
+    };
+    enum Step {
+        Up(Update),
+        If(E),
+    }
+    let ep = |workload: &str, iface: &str, v4: &str| {
+        let Update::WorkloadEndpoint(mut wid, mut ep) =
+            wep(iface, vec![], &[], EndpointState::Active)
+        else {
+            unreachable!()
+        };
+        wid.workload = id(workload);
+        ep.ipv4_nets = vec![v4.parse().unwrap()];
+        ep.mac = Some(crate::model::MacAddr::parse("02:00:00:00:00:01").unwrap());
+        Step::Up(Update::WorkloadEndpoint(wid, ep))
+    };
+    let gone = |workload: &str| {
+        let Step::Up(Update::WorkloadEndpoint(wid, _)) = ep(workload, "x", "10.0.0.1/32") else {
+            unreachable!()
+        };
+        Step::Up(Update::Remove(Key::WorkloadEndpoint(wid)))
+    };
+    let up = |index: u32, name: &str| {
+        Step::If(E::Link {
+            index,
+            name: name.into(),
+            up: true,
+            mtu: 1500,
+        })
+    };
+    let down = |index: u32, name: &str| {
+        Step::If(E::LinkRemoved {
+            index,
+            name: name.into(),
+        })
+    };
+    let feed = |m: &mut EndpointsManager, s: &Step| match s {
+        Step::Up(u) => m.on_update(u),
+        Step::If(e) => m.on_interface(e),
+    };
+    // Each step, and the routes it leaves.
+    let steps: Vec<(Vec<Step>, &[&str])> = vec![
+        (
+            vec![
+                ep("ns/w1", "cali1", "10.65.0.1/32"),
+                ep("ns/w2", "cali2", "10.65.0.2/32"),
+                ep("ns/w3", "cali3", "10.65.0.3/32"),
+                up(1, "cali1"),
+                up(2, "cali2"),
+            ],
+            &["10.65.0.1/32 dev cali1", "10.65.0.2/32 dev cali2"],
+        ),
+        // Readdressed; a link appears.
+        (
+            vec![ep("ns/w1", "cali1", "10.65.0.9/32"), up(3, "cali3")],
+            &[
+                "10.65.0.2/32 dev cali2",
+                "10.65.0.3/32 dev cali3",
+                "10.65.0.9/32 dev cali1",
+            ],
+        ),
+        // A second endpoint on cali2, with a lower id: it is served.
+        (
+            vec![ep("ns/a2", "cali2", "10.65.0.22/32")],
+            &[
+                "10.65.0.3/32 dev cali3",
+                "10.65.0.9/32 dev cali1",
+                "10.65.0.22/32 dev cali2",
+            ],
+        ),
+        // cali2's link goes; w1 is gone; w3 renamed to an existing link.
+        (
+            vec![
+                down(2, "cali2"),
+                gone("ns/w1"),
+                up(4, "cali4"),
+                ep("ns/w3", "cali4", "10.65.0.3/32"),
+            ],
+            &["10.65.0.3/32 dev cali4"],
+        ),
+        // Two interfaces claim one address: the first by name has it,
+        // until it goes.
+        (
+            vec![
+                up(6, "cali6"),
+                up(5, "cali5"),
+                ep("ns/w6", "cali6", "10.65.0.50/32"),
+                ep("ns/w5", "cali5", "10.65.0.50/32"),
+            ],
+            &["10.65.0.3/32 dev cali4", "10.65.0.50/32 dev cali5"],
+        ),
+        (
+            vec![gone("ns/w5")],
+            &["10.65.0.3/32 dev cali4", "10.65.0.50/32 dev cali6"],
+        ),
+    ];
+    let mut m = mgr();
+    let mut k = kernel();
+    let mut history: Vec<&Step> = Vec::new();
+    for (i, (step, want)) in steps.iter().enumerate() {
+        for s in step {
+            feed(&mut m, s);
+            history.push(s);
+        }
+        m.complete_deferred_work(&mut k).unwrap();
+        let got = link_state(&k);
+        assert_eq!(got.0, *want, "step {i}");
+        // One neighbour and six knobs per served interface with a link.
+        assert_eq!(got.1.len() * 6, got.2.len(), "step {i}: {:?}", got.1);
+        let mut fresh = mgr();
+        let mut fk = kernel();
+        for s in &history {
+            feed(&mut fresh, s);
+        }
+        fresh.complete_deferred_work(&mut fk).unwrap();
+        assert_eq!(got, link_state(&fk), "step {i}: patched against whole");
+    }
 }
