@@ -57,6 +57,7 @@ fn want(d: &mut Dataplane) {
                         r("-m set --match-set dph40blocked src -j DROP"),
                         r("-p tcp -m multiport --destination-ports 80,443,8000:8080 -j ACCEPT"),
                         r("-m conntrack --ctstate INVALID -j DROP"),
+                        r("-p udp -m addrtype ! --dst-type UNICAST -j RETURN"),
                     ],
                 )
                 .unwrap();
@@ -138,6 +139,7 @@ fn chains_and_sets_are_programmed_adopted_repaired_and_removed() -> Result<()> {
         "ip saddr @dph40blocked counter packets 0 bytes 0 drop",
         "tcp dport @ports-",
         "ct state invalid counter packets 0 bytes 0 drop",
+        "fib daddr type != unicast counter packets 0 bytes 0 return",
         "comment \"dph:",
     ] {
         ensure!(filter.contains(want), "{want:?} not in\n{filter}");

@@ -193,9 +193,15 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         "oifname vmap @dispatch-out-",
         "iifname vmap @dispatch-in-",
         "hook forward priority filter + 10",
+        // Egress is checked once, before the routing decision.
+        "hook prerouting priority ",
     ] {
         assert!(shard_listing.contains(want), "{want}: {shard_listing}");
     }
+    assert!(
+        !shard_listing.contains("hook input"),
+        "egress is not walked from input too: {shard_listing}"
+    );
     assert!(
         !shard_listing.contains("chain dph-pi-default.web"),
         "cali2's policy is written into its list chain: {shard_listing}"
@@ -216,6 +222,38 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         "{}",
         String::from_utf8_lossy(&listed)
     );
+    // Egress, checked in prerouting, decides for forwarded traffic and
+    // for traffic to the host alike: w1 may reach a host service, then
+    // an egress policy denies it that port (and only that).
+    host.run("ip", &["addr", "add", "10.65.255.1/32", "dev", "lo"])?;
+    let _h = lab::serve(&host.0, &[8080], &[]);
+    assert!(tcp(&w1, "10.65.255.1", 8080), "workload to host, allowed");
+    let w1_with = |tiers: &str| {
+        format!(
+            "workloadEndpointUpdate:\n  id: {{orchestratorId: k8s, workloadId: ns/cali1, endpointId: eth0}}\n  endpoint:\n    name: cali1\n    ipv4Nets: [10.65.0.2/32]\n    profileIds: [kns.ns]\n{tiers}---\n"
+        )
+    };
+    let egress = format!(
+        "activePolicyUpdate:\n  id: {{name: default.out}}\n  policy:\n    tier: default\n    outboundRules:\n      - action: deny\n        protocol: {{name: tcp}}\n        dstPorts: [{{first: 8080}}]\n      - action: allow\n---\n{}",
+        w1_with(
+            "    tiers:\n      - name: default\n        egressPolicies: [{name: default.out}]\n        defaultAction: deny\n"
+        )
+    );
+    let (rej, _) = push(&mut c, yaml_msgs(100, &egress)).await?;
+    ensure!(rej.is_empty(), "{rej:?}");
+    assert!(
+        !tcp(&w1, "10.65.255.1", 8080),
+        "egress denies w1 the host's port"
+    );
+    assert!(tcp(&w1, "10.65.0.3", 80), "and allows the rest, forwarded");
+    assert!(!tcp(&w1, "10.65.0.3", 81), "w2's ingress still decides");
+    let back = format!(
+        "{}activePolicyRemove:\n  id: {{name: default.out}}\n---\n",
+        w1_with("")
+    );
+    let (rej, _) = push(&mut c, yaml_msgs(200, &back)).await?;
+    ensure!(rej.is_empty(), "{rej:?}");
+    assert!(tcp(&w1, "10.65.255.1", 8080), "allowed again");
     let copy = Netns::new("nftcopy")?;
     let file = dir.path().join("dph-filter.nft");
     std::fs::write(&file, &listed)?;

@@ -31,10 +31,12 @@ pub struct Marks {
     pub scratch0: u32,
     pub scratch1: u32,
     wireguard: u32,
-    /// The nftables dataplane's sharded layout: a packet its main filter
-    /// table sent to a workload's egress (`from`) or ingress (`to`) policy,
-    /// which a shard table then applies. The mask's 7th and 8th bits; 0
-    /// when it has fewer (the layout is then not sharded).
+    /// The nftables dataplane's sharded layout: a packet whose egress
+    /// policy a shard table checked in prerouting (`from`), and one the
+    /// main filter table sent to a workload's ingress policy, which a
+    /// shard then applies in forward (`to`; in prerouting, "egress not
+    /// checked yet"). The mask's 7th and 8th bits; 0 when it has fewer
+    /// (the layout is then not sharded).
     pub pending_from: u32,
     pub pending_to: u32,
 }

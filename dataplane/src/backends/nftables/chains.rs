@@ -131,18 +131,28 @@ impl Interned {
 const BUILTINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
 
 /// The suffix of a filter hook that runs after the shards
-/// (`FORWARD-END`, `INPUT-END`).
+/// (`FORWARD-END`).
 pub const END: &str = "-END";
-/// Where the shards hook `forward` and `input`: after filter (0).
+/// The suffix of a filter hook that runs before the shards
+/// (`PREROUTING-FIRST`).
+pub const FIRST: &str = "-FIRST";
+/// Where the shards hook `forward`: after filter (0).
 pub const SHARD_PRIORITY: i32 = 10;
 /// Where filter's end check hooks: after the shards.
 pub const END_PRIORITY: i32 = 20;
+/// Where filter hooks `prerouting` in the sharded layout: after DNAT
+/// (nat's −100), so that policy sees the address the packet goes to, as
+/// it does in forward.
+pub const FIRST_PRIORITY: i32 = -90;
+/// Where the shards hook `prerouting`: after filter's.
+pub const SHARD_PRE_PRIORITY: i32 = -80;
 
 /// Where iptables' built-in chain `builtin` of `table` hooks, at the
 /// priority iptables-nft gives it (so the two order alike beside each
 /// other); `None` where iptables has no such chain.
 pub fn base_chain(table: &str, builtin: &str) -> Option<BaseChain> {
-    let hook = match builtin.strip_suffix(END).unwrap_or(builtin) {
+    let base = builtin.strip_suffix(END).unwrap_or(builtin);
+    let hook = match base.strip_suffix(FIRST).unwrap_or(base) {
         "PREROUTING" => Hook::Prerouting,
         "INPUT" => Hook::Input,
         "FORWARD" => Hook::Forward,
@@ -151,9 +161,14 @@ pub fn base_chain(table: &str, builtin: &str) -> Option<BaseChain> {
         _ => return None,
     };
     let end = builtin.ends_with(END);
+    let first = base.ends_with(FIRST);
     let priority = match (table, hook, end) {
-        // The sharded layout (see `super::shards`): the shards after
-        // filter, filter's end check after them.
+        // The sharded layout (see `super::shards`): filter's prerouting
+        // first, then the shards'; the shards' forward after filter's,
+        // filter's end check after them.
+        ("filter", Hook::Prerouting, false) if first => FIRST_PRIORITY,
+        _ if first => return None,
+        (t, Hook::Prerouting, false) if t.starts_with("filter-") => SHARD_PRE_PRIORITY,
         (t, Hook::Input | Hook::Forward, false) if t.starts_with("filter-") => SHARD_PRIORITY,
         ("filter", Hook::Input | Hook::Forward, true) => END_PRIORITY,
         (_, _, true) => return None,
@@ -461,5 +476,12 @@ mod tests {
         assert!(base_chain("nat", "POSTROUTING").unwrap().nat);
         assert!(!base_chain("filter", "FORWARD").unwrap().nat);
         assert!(base_chain("raw", "FORWARD").is_none());
+        assert!(base_chain("filter", "PREROUTING").is_none());
+        let first = base_chain("filter", "PREROUTING-FIRST").unwrap();
+        let shard = base_chain("filter-3", "PREROUTING").unwrap();
+        let dnat = base_chain("nat", "PREROUTING").unwrap();
+        assert!(dnat.priority < first.priority && first.priority < shard.priority);
+        assert!(base_chain("filter", "FORWARD-FIRST").is_none());
+        assert!(base_chain("filter-3", "INPUT").is_some());
     }
 }

@@ -119,7 +119,8 @@ pub enum Expr {
         data: Vec<u8>,
     },
     /// Loads the route type of the packet's source or destination address
-    /// (`fib saddr|daddr type`; compare with [`RTN_LOCAL`]).
+    /// (`fib saddr|daddr type`; compare with [`RTN_LOCAL`] or
+    /// [`RTN_UNICAST`]).
     FibAddrType {
         daddr: bool,
     },
@@ -137,6 +138,9 @@ pub enum Expr {
 
 /// The route type of a local address (`RTN_LOCAL`), as `fib` loads it.
 pub const RTN_LOCAL: u32 = 2;
+/// The route type of an address routed elsewhere (`RTN_UNICAST`): a
+/// packet to it is forwarded.
+pub const RTN_UNICAST: u32 = 1;
 
 fn nested(buf: &mut Vec<u8>, ty: u16, inner: impl FnOnce(&mut Vec<u8>)) {
     let mut i = Vec::new();

@@ -48,18 +48,21 @@
 //!
 //! Filter is sharded ([`shards`], `--nftables-shards`, 32 by default):
 //! each workload's endpoint chains live in one of the shard tables
-//! `<prefix>-filter-<n>` (hooked at forward and input, priority 10), with
+//! `<prefix>-filter-<n>` (egress hooked at prerouting, priority −80,
+//! after DNAT; ingress at forward, priority 10), with
 //! copies of the policy and profile chains they jump to and of the IP
 //! sets those look up. There an endpoint chain is a policy list chain
 //! (`<prefix>tw-list-<hash>`, `fw-list-`), named by its rules: endpoints
 //! with the same policies and profiles in a shard (a deployment's
 //! replicas) share one, and a policy or profile chain that one list
 //! chain alone uses in a shard is written into it, not copied
-//! ([`shards`]' `inline`); filter's own dispatch only marks the packet
-//! "pending" for the shard (and allowed, so filter goes on as Felix's
-//! would), the shard looks the interface up in a verdict map and applies
-//! the endpoint's policy (a drop in any table is final), and filter's end
-//! check (priority 20) drops what no shard took (fail closed). A new
+//! ([`shards`]' `inline`). A shard looks the interface up in a verdict
+//! map and applies the endpoint's policy (a drop in any table is final):
+//! egress once per packet in prerouting, which marks what it let on
+//! "checked" for filter's egress dispatch to allow (and it drops the
+//! rest: fail closed); ingress after filter's own dispatch marked the
+//! packet "pending" (and allowed, so filter goes on as Felix's would),
+//! with filter's end check (priority 20) dropping what no shard took. A new
 //! interface goes to a shard that has its policy list chain already, else
 //! to the shard its IP sets point at, so endpoints that look up the same
 //! sets share a shard and each set is copied few times.
@@ -80,7 +83,7 @@
 //! |---|---|---|
 //! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
 //! | policy or profile changed | its chain (and each shard's copy, or the list chain it is written into) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
-//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them | its shard's |
+//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them | its shard's (each list chain once: egress from prerouting, ingress from forward) |
 //! | endpoint's policies changed | its shard's dispatch map (a new map), a new list chain unless one like it is there, the old one unless shared | its shard's |
 //! | nothing changed (refresh, restart) | nothing | none |
 //!

@@ -18,7 +18,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::expr::{Base, Expr, Meta, RTN_LOCAL, Verdict, addr, iface};
+use super::expr::{Base, Expr, Meta, RTN_LOCAL, RTN_UNICAST, Verdict, addr, iface};
 
 /// Why a rule cannot be translated. Not retryable: the rule is wrong for
 /// this dataplane whatever the kernel holds.
@@ -514,16 +514,18 @@ pub fn translate(text: &str, v6: bool) -> Result<Translated, TranslateError> {
             }
             "--src-type" | "--dst-type" => {
                 let v = value!();
-                if v != "LOCAL" {
-                    return b.fail(format!("address type {v:?}"));
-                }
+                let rtn = match v {
+                    "LOCAL" => RTN_LOCAL,
+                    "UNICAST" => RTN_UNICAST,
+                    _ => return b.fail(format!("address type {v:?}")),
+                };
                 b.push([
                     Expr::FibAddrType {
                         daddr: t == "--dst-type",
                     },
                     Expr::Cmp {
                         eq,
-                        data: RTN_LOCAL.to_ne_bytes().to_vec(),
+                        data: rtn.to_ne_bytes().to_vec(),
                     },
                 ]);
             }

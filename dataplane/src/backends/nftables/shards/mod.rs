@@ -30,23 +30,45 @@
 //!   goto per direction (the managers' tree of interfaces is not
 //!   programmed: only the shards' maps know the interfaces, so an
 //!   endpoint coming or going does not touch filter) to one of two small
-//!   chains: they set the "allowed" mark (so filter goes on as if the
-//!   endpoint's policy had allowed the packet) and a pending bit
-//!   (`Marks::pending_from` / `pending_to`), which filter's forward and
-//!   input hooks clear first (only its dispatch sets them);
-//! - each shard hooks `forward` and `input` after filter
-//!   ([`super::chains::SHARD_PRIORITY`]) and, for a packet with a pending bit, looks its
-//!   interface up in a verdict map of the shard's endpoints and goes to
-//!   the endpoint chain, which clears the bit first and then drops or
-//!   allows as it did in filter (its accept of an established flow is a
-//!   return there, so that the other direction's chain runs too and
-//!   clears its bit). A drop in any table is final; so is
-//!   filter's own: the packet passes only if filter and the shard both
-//!   let it;
+//!   chains, which stand for the endpoint's policy there: filter goes on
+//!   as if it had allowed the packet (the "allowed" mark) when the shards
+//!   do (below), and drops it otherwise;
+//! - egress (from a workload) is checked once per packet, in prerouting,
+//!   before the routing decision and after DNAT (so on the address the
+//!   packet goes to, as in forward): filter's prerouting
+//!   ([`super::chains::FIRST_PRIORITY`]) clears both bits
+//!   (`Marks::pending_from` / `pending_to`), leaves alone what the
+//!   managers' INPUT accepts from a workload before its egress policy
+//!   (ICMPv6 router and neighbour messages, WireGuard and VXLAN to this
+//!   host) when it is not forwarded, and marks every other packet from a
+//!   workload interface "egress unchecked" (the ingress bit, which means
+//!   nothing else in prerouting). Each shard's prerouting
+//!   ([`super::chains::SHARD_PRE_PRIORITY`]) looks such a packet's
+//!   interface up in a verdict map of its endpoints and goes to the
+//!   endpoint's egress chain, which first marks the packet "checked"
+//!   (and no longer unchecked), then drops it or lets it on. Filter's
+//!   egress stub, in forward and input alike, lets on a checked packet
+//!   and drops the rest: an interface no shard knows (dropped as Felix's
+//!   dispatch drops it) or a missing shard (fail closed). Felix checks
+//!   egress in forward and again in input; one hook means each egress
+//!   chain is walked once when the kernel validates its shard, not twice;
+//! - ingress (to a workload) stays in forward: filter's forward hook
+//!   clears the ingress bit first, its dispatch stub sets it (pending)
+//!   with the allowed mark, and each shard's forward hook
+//!   ([`super::chains::SHARD_PRIORITY`]) looks the interface up and goes
+//!   to the endpoint's ingress chain, which clears the bit first and then
+//!   drops or allows as it did in filter. An endpoint chain's accept of an
+//!   established flow is a return there, so that the rest runs too. A
+//!   drop in any table is final; so is filter's own: the packet passes
+//!   only if filter and the shard both let it;
 //! - filter's end check ([`super::chains::END_PRIORITY`]) drops a packet
-//!   still marked pending, established or not: no shard knows its
-//!   interface (an unknown workload interface, dropped as Felix's
-//!   dispatch drops it) or its shard was missing (fail closed).
+//!   still pending ingress, established or not: no shard knows its
+//!   interface or its shard was missing (fail closed).
+//!
+//! Marks set in prerouting are there at the routing decision: an `ip
+//! rule` that matches the firewall mark with a mask of ours would see
+//! them (Felix's marks are set in filter, after it). The default mark
+//! bits (and Calico's) do not overlap WireGuard's or kube-proxy's.
 //!
 //! With fewer than 2 shards, or a mark mask without the two bits, nothing
 //! is routed: filter holds every chain as before.
@@ -59,7 +81,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use copies::{copy, put_list, release, render_list};
 
-use super::chains::{ChainTable, END};
+use super::chains::{ChainTable, END, FIRST};
 use crate::backends::desired::RuleTable;
 use crate::backends::iptables::{Ownership, Rule, RuleError};
 use crate::model::IpVersion;
@@ -229,29 +251,43 @@ impl Filter {
             endpoints: HashMap::new(),
             dispatch: HashMap::new(),
         };
-        // The two chains filter's dispatch goes to, and its end check.
-        for dir in [Dir::From, Dir::To] {
-            let bits = layout.bit(dir) | layout.accept;
+        // The two chains filter's dispatch goes to: egress was checked
+        // in prerouting (allowed if a shard set the bit), ingress is
+        // pending for the shards.
+        let (from, to, accept) = (layout.from_bit, layout.to_bit, layout.accept);
+        let stubs = [
+            (
+                Dir::From,
+                vec![
+                    rule(&format!("-j MARK --set-xmark 0x0/{accept:#x}")),
+                    on_bit(
+                        from,
+                        &format!("-j MARK --set-xmark {accept:#x}/{accept:#x}"),
+                    ),
+                ],
+            ),
+            (
+                Dir::To,
+                vec![rule(&format!(
+                    "-j MARK --set-xmark {:#x}/{:#x}",
+                    to | accept,
+                    to | accept
+                ))],
+            ),
+        ];
+        for (dir, rules) in stubs {
             let stub = layout.stub(dir);
             f.main
-                .set_chain(
-                    &stub,
-                    vec![rule(&format!("-j MARK --set-xmark {bits:#x}/{bits:#x}"))],
-                )
+                .set_chain(&stub, rules)
                 .expect("the pending chain is valid");
             f.main.force(&stub);
         }
-        let forward = vec![
-            on_bit(layout.from_bit, "-j DROP"),
-            on_bit(layout.to_bit, "-j DROP"),
-        ];
-        let input = vec![on_bit(layout.from_bit, "-j DROP")];
         f.main
-            .set_hooks(&format!("FORWARD{END}"), forward)
+            .set_hooks(&format!("FORWARD{END}"), vec![on_bit(to, "-j DROP")])
             .expect("the end check is valid");
         f.main
-            .set_hooks(&format!("INPUT{END}"), input)
-            .expect("the end check is valid");
+            .set_hooks(&format!("PREROUTING{FIRST}"), layout.prerouting(&[]))
+            .expect("the egress mark is valid");
         f.layout = Some(layout);
         f
     }
@@ -363,8 +399,7 @@ impl Filter {
             let iface = iface.to_string();
             match l.endpoints.get(&name).cloned() {
                 Some(rules) => {
-                    let mut body =
-                        vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.bit(dir)))];
+                    let mut body = vec![l.entered(dir)];
                     body.extend(rules.into_iter().map(returned));
                     let list = l.list_chain(dir, &body);
                     let s = match l.placed.get(&iface) {
@@ -452,6 +487,14 @@ impl RuleTable for Filter {
             }
             return Ok(());
         }
+        if name == l.input_chain() {
+            // What a workload sends the host that INPUT takes before its
+            // egress policy, and the workload interfaces: filter's
+            // prerouting follows them.
+            self.main.set_chain(name, rules.clone())?;
+            let pre = l.prerouting(&rules);
+            return self.main.set_hooks(&format!("PREROUTING{FIRST}"), pre);
+        }
         if l.is_dispatch(name) {
             // Only the shards' maps know the workloads' interfaces: filter's
             // dispatch root sends every packet of the workload prefix to
@@ -498,12 +541,13 @@ impl RuleTable for Filter {
     }
 
     fn set_hooks(&mut self, builtin: &str, rules: Vec<Rule>) -> Result<(), RuleError> {
-        // Sharded, a packet enters forward and input with no pending bit
-        // (whatever set one before): only filter's dispatch sets them.
+        // Sharded, a packet enters forward with no ingress pending bit
+        // (whatever set one before: prerouting's "egress unchecked"):
+        // only filter's dispatch sets it. The egress bit is kept: the
+        // shard that checked the packet's egress policy set it.
         let rules = match &self.layout {
-            Some(l) if !rules.is_empty() && matches!(builtin, "FORWARD" | "INPUT") => {
-                let bits = l.from_bit | l.to_bit;
-                let mut all = vec![rule(&format!("-j MARK --set-xmark 0x0/{bits:#x}"))];
+            Some(l) if !rules.is_empty() && builtin == "FORWARD" => {
+                let mut all = vec![rule(&format!("-j MARK --set-xmark 0x0/{:#x}", l.to_bit))];
                 all.extend(rules);
                 all
             }
@@ -524,8 +568,8 @@ impl RuleTable for Filter {
         let hooks = self.main.hooks(builtin);
         match &self.layout {
             // The managers' rules, without the clearing of the pending
-            // bits put before them.
-            Some(_) if matches!(builtin, "FORWARD" | "INPUT") && !hooks.is_empty() => &hooks[1..],
+            // bit put before them.
+            Some(_) if builtin == "FORWARD" && !hooks.is_empty() => &hooks[1..],
             _ => hooks,
         }
     }

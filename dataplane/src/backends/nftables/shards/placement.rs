@@ -9,11 +9,60 @@ use crate::backends::iptables::{Rule, RuleError};
 use crate::backends::nftables::chains::ChainTable;
 
 impl Placement {
-    pub(super) fn bit(&self, dir: Dir) -> u32 {
+    /// A policy list chain's first rule. Egress (checked in prerouting):
+    /// "checked" set and "unchecked" cleared, so that filter's dispatch
+    /// lets the packet on if the rest of the chain does not drop it (a
+    /// return is an allow). Ingress: its pending bit cleared.
+    pub(super) fn entered(&self, dir: Dir) -> Rule {
         match dir {
-            Dir::From => self.from_bit,
-            Dir::To => self.to_bit,
+            Dir::From => rule(&format!(
+                "-j MARK --set-xmark {:#x}/{:#x}",
+                self.from_bit,
+                self.from_bit | self.to_bit
+            )),
+            Dir::To => rule(&format!("-j MARK --set-xmark 0x0/{:#x}", self.to_bit)),
         }
+    }
+
+    /// The managers' filter INPUT chain (`<prefix>INPUT`).
+    pub(super) fn input_chain(&self) -> String {
+        format!("{}INPUT", self.chain_prefix)
+    }
+
+    /// Filter's prerouting, before the shards': both bits cleared
+    /// (whatever set them: only a shard's policy list chain may say that
+    /// a packet's egress policy allowed it); then what INPUT (`input`,
+    /// the managers' chain) accepts from a workload before its egress
+    /// policy — ICMPv6 router and neighbour messages, WireGuard or VXLAN
+    /// to this host — is left unchecked when it is not forwarded (its
+    /// destination is not a unicast route), so INPUT takes it as before;
+    /// then each packet from a workload interface (those INPUT sends to
+    /// the egress dispatch) is marked "egress unchecked" with the ingress
+    /// bit, for the shard that knows its interface. Only rules that
+    /// accept are followed (what the managers put there).
+    pub(super) fn prerouting(&self, input: &[Rule]) -> Vec<Rule> {
+        let bits = self.from_bit | self.to_bit;
+        let mut out = vec![rule(&format!("-j MARK --set-xmark 0x0/{bits:#x}"))];
+        let dispatch = format!("{}from-wl-dispatch", self.chain_prefix);
+        let Some(at) = input.iter().position(|r| r.target() == Some(&dispatch)) else {
+            return out;
+        };
+        let not_forwarded = "-m addrtype ! --dst-type UNICAST -j RETURN";
+        for r in &input[..at] {
+            match r.text().strip_suffix("-j ACCEPT") {
+                Some("") => out.push(rule(not_forwarded)),
+                Some(head) => out.push(rule(&format!("{head}{not_forwarded}"))),
+                None => {}
+            }
+        }
+        let to = self.to_bit;
+        let tail = format!(" -j {dispatch}");
+        for r in &input[at..] {
+            if let Some(head) = r.text().strip_suffix(&tail) {
+                out.push(rule(&format!("{head} -j MARK --set-xmark {to:#x}/{to:#x}")));
+            }
+        }
+        out
     }
 
     /// The chain filter's dispatch goes to for a workload in `dir` (no
@@ -145,10 +194,13 @@ impl Placement {
         rule(&format!("{flag} {iface} -g {list}"))
     }
 
-    /// Shard `s`'s dispatch chains and hooks, from its interfaces.
+    /// Shard `s`'s dispatch chains and hooks, from its interfaces: egress
+    /// in prerouting (for a packet marked "egress unchecked"), ingress in
+    /// forward (for one its dispatch marked pending). Each list chain is
+    /// reached from one hook, so a change walks it once.
     pub(super) fn dispatch(&self, shard: &mut ChainTable, s: usize) -> Result<(), RuleError> {
+        let mut prerouting = Vec::new();
         let mut forward = Vec::new();
-        let mut input = Vec::new();
         for dir in [Dir::From, Dir::To] {
             let chain = match dir {
                 Dir::From => format!("{}from-wl-shard", self.chain_prefix),
@@ -162,13 +214,13 @@ impl Placement {
             let mut rules: Vec<Rule> = members.values().cloned().collect();
             rules.push(rule("-j RETURN"));
             shard.set_chain(&chain, rules)?;
-            let hook = on_bit(self.bit(dir), &format!("-j {chain}"));
-            if dir == Dir::From {
-                input.push(hook.clone());
+            let hook = on_bit(self.to_bit, &format!("-j {chain}"));
+            match dir {
+                Dir::From => prerouting.push(hook),
+                Dir::To => forward.push(hook),
             }
-            forward.push(hook);
         }
-        shard.set_hooks("FORWARD", forward)?;
-        shard.set_hooks("INPUT", input)
+        shard.set_hooks("PREROUTING", prerouting)?;
+        shard.set_hooks("FORWARD", forward)
     }
 }

@@ -76,7 +76,8 @@ fn settled(n: usize, sets: usize) -> (Filter, Vec<String>) {
 
 /// Endpoint chains go to shards with copies of what they jump to;
 /// filter's dispatch goes to the pending chains; each shard hooks
-/// forward and input behind a pending bit and dispatches by map.
+/// prerouting (egress) and forward (ingress) behind a bit and dispatches
+/// by map.
 #[test]
 fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
     let (mut f, ifaces) = settled(40, 4);
@@ -91,18 +92,33 @@ fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
         ["-g dph-tw-pending-in-shards"],
         "filter's dispatch marks every workload packet for the shards"
     );
-    // The end check: a pending bit no shard cleared is dropped,
+    // The end check: an ingress pending bit no shard cleared is dropped,
     // established or not.
-    assert_eq!(
-        f.main.hooks["FORWARD-END"]
-            .rules
+    let texts = |rules: &[Rule]| {
+        rules
             .iter()
-            .map(Rule::text)
-            .collect::<Vec<_>>(),
+            .map(|r| r.text().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        texts(&f.main.hooks["FORWARD-END"].rules),
+        ["-m mark --mark 0x800000/0x800000 -j DROP"]
+    );
+    assert!(!f.main.hooks.contains_key("INPUT-END"));
+    // Egress: checked by a shard in prerouting; filter's dispatch lets
+    // on what one checked, and drops the rest (an interface no shard
+    // knows, fail closed).
+    assert_eq!(
+        texts(&f.main.desired("dph-fw-pending-in-shards").unwrap().rules),
         [
-            "-m mark --mark 0x400000/0x400000 -j DROP",
-            "-m mark --mark 0x800000/0x800000 -j DROP"
+            "-j MARK --set-xmark 0x0/0x10000",
+            "-m mark --mark 0x400000/0x400000 -j MARK --set-xmark 0x10000/0x10000"
         ]
+    );
+    assert_eq!(
+        texts(&f.main.hooks["PREROUTING-FIRST"].rules),
+        ["-j MARK --set-xmark 0x0/0xc00000"],
+        "no INPUT chain yet: nothing is marked unchecked, so nothing passes"
     );
     let placed = f.placement();
     assert_eq!(placed.len(), 40);
@@ -135,19 +151,40 @@ fn endpoint_chains_go_to_shards_with_copies_of_their_policies() {
         let hooks = &sh.hooks["FORWARD"].rules;
         assert_eq!(
             hooks.iter().map(Rule::text).collect::<Vec<_>>(),
-            [
-                "-m mark --mark 0x400000/0x400000 -j dph-from-wl-shard",
-                "-m mark --mark 0x800000/0x800000 -j dph-to-wl-shard"
-            ]
+            ["-m mark --mark 0x800000/0x800000 -j dph-to-wl-shard"]
         );
-        assert_eq!(sh.hooks["INPUT"].rules.len(), 1);
+        assert_eq!(
+            texts(&sh.hooks["PREROUTING"].rules),
+            ["-m mark --mark 0x800000/0x800000 -j dph-from-wl-shard"],
+            "egress unchecked"
+        );
+        assert!(
+            !sh.hooks.contains_key("INPUT"),
+            "egress is not checked twice"
+        );
+        let fw = sh
+            .desired(
+                f.layout.as_ref().unwrap().members[*s][Dir::From as usize]
+                    .values()
+                    .next()
+                    .unwrap()
+                    .target()
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            fw.rules[0].text(),
+            "-j MARK --set-xmark 0x400000/0xc00000",
+            "egress checked, unchecked no more"
+        );
         let d = sh.desired("dph-to-wl-shard").unwrap();
         assert!(d.translated[0].dispatch.is_some(), "a verdict map");
         assert_eq!(d.rules.last().unwrap().text(), "-j RETURN");
     }
-    // Filter's forward hook clears the pending bits before anything.
+    // Filter's forward hook clears the ingress bit before anything (and
+    // keeps the egress one).
     let fwd = &f.main.hooks["FORWARD"].rules;
-    assert_eq!(fwd[0].text(), "-j MARK --set-xmark 0x0/0xc00000");
+    assert_eq!(fwd[0].text(), "-j MARK --set-xmark 0x0/0x800000");
     assert_eq!(fwd[1].text(), "-i cali+ -j dph-from-wl-dispatch");
     assert_eq!(RuleTable::hooks(&f, "FORWARD").len(), 2);
     // A policy changed in filter is copied again where it is used.
@@ -561,4 +598,46 @@ fn unsharded_without_shards_or_bits() {
             "-o cali1 -g dph-tw-cali1"
         );
     }
+}
+
+/// Filter's prerouting follows the managers' INPUT chain: what INPUT
+/// accepts from a workload before its egress policy is left unchecked
+/// when it is not forwarded, and every packet from a workload prefix is
+/// marked "egress unchecked" for the shards.
+#[test]
+fn prerouting_marks_workload_packets_and_spares_what_input_takes_first() {
+    let mut f = Filter::new(IpVersion::V6, Ownership::new("dph"), Marks::default(), 4);
+    f.set_chain(
+        "dph-INPUT",
+        vec![
+            r("-p udp -m udp --dport 51820 -m addrtype --dst-type LOCAL -j ACCEPT"),
+            r("-p udp -m udp --dport 4789 -m addrtype --dst-type LOCAL -j DROP"),
+            r("-i cali+ -p ipv6-icmp -m icmp6 --icmpv6-type 135 -j ACCEPT"),
+            r("-i cali+ -j dph-from-wl-dispatch"),
+            r("-i tap+ -j dph-from-wl-dispatch"),
+            r("-i cali+ -m mark --mark 0x10000/0x10000 -j ACCEPT"),
+            r("-i cali+ -j DROP"),
+            r("-j ACCEPT"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        f.main.hooks["PREROUTING-FIRST"]
+            .rules
+            .iter()
+            .map(Rule::text)
+            .collect::<Vec<_>>(),
+        [
+            "-j MARK --set-xmark 0x0/0xc00000",
+            "-p udp -m udp --dport 51820 -m addrtype --dst-type LOCAL -m addrtype ! --dst-type UNICAST -j RETURN",
+            "-i cali+ -p ipv6-icmp -m icmp6 --icmpv6-type 135 -m addrtype ! --dst-type UNICAST -j RETURN",
+            "-i cali+ -j MARK --set-xmark 0x800000/0x800000",
+            "-i tap+ -j MARK --set-xmark 0x800000/0x800000",
+        ]
+    );
+    assert_eq!(
+        RuleTable::chain(&f, "dph-INPUT").unwrap().len(),
+        8,
+        "the chain itself as set"
+    );
 }
