@@ -731,9 +731,36 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     };
     commit(vec![entry(Verdict::Goto(t("ep-wl1")))])?;
     assert!(!reaches(), "wl1 goes to its chain, which drops");
+    // Read back: each interface and the chain it goes to.
+    let read = || {
+        host.within(|| -> Result<Vec<(Key, String)>> {
+            Ok(NftNetlink::open()?.verdicts(Family::Ip, "dph-vm", "dispatch")?)
+        })
+    };
+    let as_names = |v: Vec<(Key, String)>| -> Vec<(Option<String>, String)> {
+        v.into_iter().map(|(k, c)| (k.as_ifname(), c)).collect()
+    };
+    // (A 16-byte key reads as an IPv6 address: the dataplane takes a
+    // map's keys back as interface names.)
+    let names = |v: Vec<(Key, String)>| {
+        as_names(
+            v.into_iter()
+                .map(|(k, c)| match k {
+                    Key::Addr(std::net::IpAddr::V6(a)) => (Key::IfName(a.octets()), c),
+                    k => (k, c),
+                })
+                .collect(),
+        )
+    };
+    assert_eq!(names(read()?), [(Some(t("wl1")), t("ep-wl1"))]);
     // Its verdict changed in one commit: the old entry out, the new in.
     commit(vec![drop_entry(), entry(Verdict::Accept)])?;
     assert!(reaches(), "wl1 accepted by the map itself");
+    assert_eq!(
+        names(read()?),
+        [(Some(t("wl1")), String::new())],
+        "not a goto: none of ours"
+    );
     let listed = nft(&host, &["list", "table", "ip", "dph-vm"])?;
     for want in [
         "type ifname : verdict",

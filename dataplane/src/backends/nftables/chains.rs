@@ -38,7 +38,7 @@ impl DesiredChain {
         // new map is a rewritten chain).
         if maps {
             let texts: Vec<&str> = rules.iter().map(Rule::text).collect();
-            if let Some(d) = Dispatch::of(&texts) {
+            if let Some(d) = Dispatch::of(name, &texts) {
                 let d = Arc::new(d);
                 let lookup = format!("vmap @{}", d.name);
                 let comments = chained_hashes(name, [lookup.as_str(), d.last()])

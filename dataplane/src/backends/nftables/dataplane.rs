@@ -148,7 +148,6 @@ impl NftKernel for NftNetlink {
                 } else if s.flags & 0x4 != 0 {
                     Content::Ranges(self.ranges(family, &table, &s.name)?)
                 } else {
-                    let keys = self.elements(family, &table, &s.name)?.into_iter();
                     // A 16-byte key parses as an IPv6 address; a map's
                     // interface names are taken back as such (same bytes).
                     let ifname = |k: super::ops::Key| match k {
@@ -158,8 +157,18 @@ impl NftKernel for NftNetlink {
                         k => k,
                     };
                     if s.key_type == super::ops::TYPE_IFNAME {
-                        Content::Keys(keys.map(ifname).collect())
+                        // A dispatch map: each interface and the chain it
+                        // goes to.
+                        let entries = self.verdicts(family, &table, &s.name)?;
+                        let keys = entries.iter().map(|(k, _)| ifname(*k)).collect();
+                        let by_name = entries
+                            .into_iter()
+                            .filter_map(|(k, c)| Some((ifname(k).as_ifname()?, c)))
+                            .collect();
+                        t.maps.insert(s.name.clone(), by_name);
+                        Content::Keys(keys)
                     } else {
+                        let keys = self.elements(family, &table, &s.name)?.into_iter();
                         Content::Keys(keys.collect())
                     }
                 };

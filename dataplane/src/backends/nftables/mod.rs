@@ -83,8 +83,9 @@
 //! |---|---|---|
 //! | IP-set member added/removed | set elements, in each table that holds the set (ranges for nets, by difference) | none |
 //! | policy or profile changed | its chain (and each shard's copy, or the list chain it is written into) flushed and written, in one commit | the shards whose endpoints use it (and filter, if a host endpoint does) |
-//! | endpoint added/removed | its shard's dispatch map, and its policy list chains unless others there share them | its shard's (each list chain once: egress from prerouting, ingress from forward) |
-//! | endpoint's policies changed | its shard's dispatch map (a new map), a new list chain unless one like it is there, the old one unless shared | its shard's |
+//! | endpoint added | its interface's elements in its shard's two dispatch maps (`goto` its list chains), and the list chains unless the shard has them | its shard's (each list chain once: egress from prerouting, ingress from forward) |
+//! | endpoint removed | its elements removed, and its list chains unless others there share them | none |
+//! | endpoint's policies changed | its elements replaced, a new list chain unless one like it is there, the old one unless shared | its shard's |
 //! | nothing changed (refresh, restart) | nothing | none |
 //!
 //! Every commit, whatever it holds, also costs the kernel a pass over

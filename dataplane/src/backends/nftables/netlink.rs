@@ -73,6 +73,11 @@ const NFTA_SET_ELEM_FLAGS: u16 = 3;
 const NFT_SET_ELEM_INTERVAL_END: u32 = 0x1;
 const NFT_SET_INTERVAL: u32 = 0x4;
 const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+/// `NFT_GOTO` (−4) as the kernel sends it.
+const NFT_GOTO: u32 = (-4i32) as u32;
 /// How long a reply may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -646,6 +651,36 @@ impl NftNetlink {
         table: &str,
         set: &str,
     ) -> Result<Vec<(Key, bool)>, NftError> {
+        Ok(self
+            .entries(family, table, set)?
+            .into_iter()
+            .map(|(k, end, _)| (k, end))
+            .collect())
+    }
+
+    /// Verdict map `set`'s entries: each key and the chain its element
+    /// goes to (`""` for a verdict other than a goto: none of ours).
+    pub fn verdicts(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<(Key, String)>, NftError> {
+        Ok(self
+            .entries(family, table, set)?
+            .into_iter()
+            .map(|(k, _, v)| (k, v.unwrap_or_default()))
+            .collect())
+    }
+
+    /// Each element's key, whether it ends an interval, and (in a verdict
+    /// map) the chain it goes to.
+    fn entries(
+        &mut self,
+        family: Family,
+        table: &str,
+        set: &str,
+    ) -> Result<Vec<(Key, bool, Option<String>)>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
         attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
@@ -668,8 +703,19 @@ impl NftNetlink {
                 let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
                     continue;
                 };
+                // A goto's chain; another verdict is none of ours.
+                let goto = get(&ea, NFTA_SET_ELEM_DATA)
+                    .and_then(|d| get(&attrs(d), NFTA_DATA_VERDICT))
+                    .map(|v| {
+                        let va = attrs(v);
+                        let code = get(&va, NFTA_VERDICT_CODE).map(be_u32);
+                        match (code, get(&va, NFTA_VERDICT_CHAIN)) {
+                            (Some(NFT_GOTO), Some(c)) => string(c),
+                            _ => String::new(),
+                        }
+                    });
                 match Key::parse(v) {
-                    Some(k) => out.push((k, end)),
+                    Some(k) => out.push((k, end, goto)),
                     None => {
                         return Err(NftError::Protocol(format!(
                             "set {table}/{set}: a key of {} bytes is none of ours",

@@ -71,8 +71,11 @@ pub const DISPATCH_MAP: &str = "dispatch-";
 /// A dispatch chain (`-i <interface> -g <chain>` per interface, then
 /// `-j DROP` or `-j RETURN`) as one verdict-map lookup, `meta iifname
 /// vmap @<name>`, and that last rule: one hash lookup per packet where the
-/// rules were a walk of the interfaces. Named after its contents, as port
-/// lists are: a changed dispatch is a new map.
+/// rules were a walk of the interfaces. Named after the chain (and its
+/// direction and end), not its entries: an interface that comes, goes or
+/// moves is an element added or removed, and the rule that looks the map
+/// up stays (a removed element is not validated; a whole new map was
+/// every interface's element written again and the table walked).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dispatch {
     pub name: String,
@@ -85,10 +88,10 @@ pub struct Dispatch {
 }
 
 impl Dispatch {
-    /// `rules` as a dispatch map, if that is what they are: at least one
-    /// `-i|-o <interface> -g <chain>` (one direction, exact names, each
-    /// once) and a last `-j DROP` or `-j RETURN`.
-    pub fn of(rules: &[&str]) -> Option<Self> {
+    /// `rules` of chain `chain` as a dispatch map, if that is what they
+    /// are: at least one `-i|-o <interface> -g <chain>` (one direction,
+    /// exact names, each once) and a last `-j DROP` or `-j RETURN`.
+    pub fn of(chain: &str, rules: &[&str]) -> Option<Self> {
         let (last, gotos) = rules.split_last()?;
         let drop = match *last {
             "-j DROP" => true,
@@ -123,12 +126,8 @@ impl Dispatch {
         let input = input?;
         use sha2::Digest as _;
         let mut h = sha2::Sha224::new();
-        for (i, c) in &entries {
-            h.update(i.as_bytes());
-            h.update(b" ");
-            h.update(c.as_bytes());
-            h.update(b"\n");
-        }
+        h.update(chain.as_bytes());
+        h.update(b"\n");
         h.update(if drop { &b"drop"[..] } else { b"return" });
         let sum = h.finalize();
         let hex = hex::encode(&sum[..8]);
@@ -656,7 +655,7 @@ mod tests {
             "-i cali2 -g dph-fw-cali2",
             "-j DROP",
         ];
-        let d = std::sync::Arc::new(Dispatch::of(&rules).expect("a dispatch"));
+        let d = std::sync::Arc::new(Dispatch::of("dph-a", &rules).expect("a dispatch"));
         assert!(d.input && d.name.starts_with("dispatch-in-"));
         assert_eq!(
             d.entries,
@@ -674,12 +673,18 @@ mod tests {
             ]
         );
         assert_eq!(drop, translate("-j DROP", false).unwrap());
-        // Named by what it holds.
-        let other = Dispatch::of(&["-i cali1 -g dph-fw-cali1", "-j DROP"]).unwrap();
-        assert_ne!(other.name, d.name);
-        assert_eq!(Dispatch::of(&rules).unwrap().name, d.name);
-        // Ending in a return: the same map, unknown interfaces go on.
-        let ret = Dispatch::of(&["-i cali1 -g dph-fw-cali1", "-j RETURN"]).unwrap();
+        // Named by its chain, not what it holds: other entries are the
+        // same map's elements.
+        let other = Dispatch::of("dph-a", &["-i cali1 -g dph-fw-cali1", "-j DROP"]).unwrap();
+        assert_eq!(other.name, d.name);
+        assert_ne!(other.entries, d.entries);
+        assert_ne!(
+            Dispatch::of("dph-b", &rules).unwrap().name,
+            d.name,
+            "another chain's"
+        );
+        // Ending in a return: unknown interfaces go on.
+        let ret = Dispatch::of("dph-a", &["-i cali1 -g dph-fw-cali1", "-j RETURN"]).unwrap();
         assert!(!ret.drop && ret.last() == "-j RETURN");
         assert_ne!(ret.name, other.name, "named by the end too");
         // Anything else stays rules: a wildcard, both directions, another
@@ -692,7 +697,7 @@ mod tests {
             &["-i cali1 -j dph-x", "-j DROP"],
             &["-j DROP"],
         ] {
-            assert!(Dispatch::of(not).is_none(), "{not:?}");
+            assert!(Dispatch::of("dph-a", not).is_none(), "{not:?}");
         }
     }
 

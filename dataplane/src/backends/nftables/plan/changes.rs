@@ -14,6 +14,8 @@ pub(super) struct Cheap {
     pub rules: Vec<Op>,
     pub patches: Vec<Patch>,
     pub ranges: Vec<((String, String), Vec<Range>)>,
+    /// Dispatch maps' element changes.
+    pub map_elements: Vec<Op>,
 }
 
 /// Table `t` (named `table`, `obs` as last written) from its changes
@@ -36,12 +38,22 @@ pub(super) fn cheap(
         let Some(o) = obs.chains.get(name) else {
             continue; // not reached from a hook: not programmed
         };
-        if o.comments == c.comments {
+        // A dispatch map whose entries alone changed (its lookup, named
+        // by its chain, did not): elements removed and added. One not
+        // written by this process, or a new one, takes the full plan.
+        if let Some(d) = c.translated.iter().find_map(|t| t.dispatch.as_ref()) {
+            if o.comments != c.comments {
+                return None;
+            }
+            let have = obs.maps.get(&d.name)?;
+            let want = super::map_delta(&mut out.map_elements, family, table, d, have);
+            if &want != have {
+                out.patches.push(Patch::Map(d.name.clone(), want));
+            }
             continue;
         }
-        // A dispatch map is made with the full plan.
-        if c.translated.iter().any(|t| t.dispatch.is_some()) {
-            return None;
+        if o.comments == c.comments {
+            continue;
         }
         for tr in &c.translated {
             if tr.sets.iter().any(|s| !obs.sets.contains_key(s)) {

@@ -39,6 +39,9 @@ pub struct ObservedChain {
 pub struct ObservedTable {
     pub chains: BTreeMap<String, ObservedChain>,
     pub sets: BTreeMap<String, SetInfo>,
+    /// Each dispatch map's entries: interface → the chain its element
+    /// goes to (`""`: a verdict none of ours).
+    pub maps: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 /// Our tables of one family, by name.
@@ -78,6 +81,8 @@ pub enum Patch {
     Chain(String, ObservedChain),
     /// A port list added.
     Set(SetInfo),
+    /// A dispatch map's entries changed: what it holds now.
+    Map(String, BTreeMap<String, String>),
 }
 
 /// What one table holds after a commit.
@@ -140,6 +145,9 @@ impl Plan {
                             }
                             Patch::Set(info) => {
                                 t.sets.insert(info.name.clone(), info);
+                            }
+                            Patch::Map(map, entries) => {
+                                t.maps.insert(map, entries);
                             }
                         }
                     }
@@ -230,6 +238,48 @@ fn push_elements(
             elements: add,
         });
     }
+}
+
+/// The element ops that bring dispatch map `d` of `table` from `have`
+/// (what the kernel holds) to its entries: the elements of interfaces
+/// gone or moved removed, those new or moved added (in the stage after
+/// the chains they go to, before any chain is removed); its entries
+/// after them.
+fn map_delta(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    d: &Dispatch,
+    have: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let want: BTreeMap<String, String> = d.entries.iter().cloned().collect();
+    let gone: Vec<Key> = have
+        .iter()
+        .filter(|(i, c)| want.get(*i) != Some(*c))
+        .map(|(i, _)| Key::ifname(i))
+        .collect();
+    let came: Vec<(Key, super::expr::Verdict)> = want
+        .iter()
+        .filter(|(i, c)| have.get(*i) != Some(*c))
+        .map(|(i, c)| (Key::ifname(i), super::expr::Verdict::Goto(c.clone())))
+        .collect();
+    if !gone.is_empty() {
+        out.push(Op::DestroyElements {
+            family,
+            table: table.to_string(),
+            set: d.name.clone(),
+            elements: gone,
+        });
+    }
+    if !came.is_empty() {
+        out.push(Op::AddVerdicts {
+            family,
+            table: table.to_string(),
+            map: d.name.clone(),
+            entries: came,
+        });
+    }
+    want
 }
 
 /// The ops of one table, grouped by when they run in the batch.
@@ -380,6 +430,7 @@ pub fn plan(
             let c = cheap[i].take().expect("cheap");
             st.flushes.extend(c.flushes);
             st.sets.extend(c.sets);
+            st.map_elements.extend(c.map_elements);
             st.rules.extend(c.rules);
             out.ranges.extend(c.ranges);
             out.tables

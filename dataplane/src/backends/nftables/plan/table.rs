@@ -91,9 +91,11 @@ impl TableCtx<'_> {
             .filter(|(s, info)| obs.sets.get(**s).is_some_and(|o| !same_kind(o, info)))
             .map(|(s, _)| *s)
             .collect();
-        // Dispatch maps. One changed by hand (another kind, or other
-        // interfaces than its name says) is made again, with the chain
-        // that looks it up (a map in use cannot be removed).
+        // Dispatch maps. One of another kind (made again by hand), or
+        // whose entries are not known (not written by this process, not
+        // read), is made again, with the chain that looks it up (a map in
+        // use cannot be removed); the others are brought to their entries
+        // element by element (below).
         let mut maps: BTreeMap<&str, &Dispatch> = BTreeMap::new();
         for (_, c, _) in &wanted {
             for t in &c.translated {
@@ -111,25 +113,11 @@ impl TableCtx<'_> {
                 flags: NFT_SET_MAP,
             }
         };
-        for (name, d) in &maps {
+        for name in maps.keys() {
             let Some(o) = obs.sets.get(*name) else {
                 continue;
             };
-            let read = self
-                .contents
-                .and_then(|c| c.get(&(table.clone(), name.to_string())));
-            let damaged = !same_kind(o, &map_info(name))
-                || read.is_some_and(|r| match r {
-                    Content::Keys(have) => {
-                        let have: HashSet<Vec<u8>> = have.iter().map(Key::bytes).collect();
-                        have.len() != d.entries.len()
-                            || d.entries
-                                .iter()
-                                .any(|(i, _)| !have.contains(&Key::ifname(i).bytes()))
-                    }
-                    _ => true,
-                });
-            if damaged {
+            if !same_kind(o, &map_info(name)) || !obs.maps.contains_key(*name) {
                 retyped.insert(name);
             }
         }
@@ -329,7 +317,13 @@ impl TableCtx<'_> {
                 .insert(p.to_string(), set_info(p, KeyType::Port, true));
         }
         for (name, d) in &maps {
-            if !obs.sets.contains_key(*name) || retyped.contains(name) {
+            let have = obs.maps.get(*name);
+            if let (Some(have), true, false) =
+                (have, obs.sets.contains_key(*name), retyped.contains(name))
+            {
+                let want = map_delta(&mut st.map_elements, family, &table, d, have);
+                after.maps.insert(name.to_string(), want);
+            } else {
                 if retyped.contains(name) {
                     st.set_removals.push(Op::DestroySet {
                         family,
@@ -349,6 +343,9 @@ impl TableCtx<'_> {
                     map: name.to_string(),
                     entries: d.elements(),
                 });
+                after
+                    .maps
+                    .insert(name.to_string(), d.entries.iter().cloned().collect());
             }
             after.sets.insert(name.to_string(), map_info(name));
         }

@@ -154,82 +154,136 @@ fn a_first_plan_makes_everything_in_an_order_the_kernel_takes() {
 }
 
 /// A dispatch chain is a verdict map made with its entries after the
-/// chains they go to; a new one replaces it (the old map goes before
-/// any chain it held is removed); one changed by hand is made again.
+/// chains they go to. Its lookup is named by the chain, so an interface
+/// that goes, comes or moves is an element removed or added (removed
+/// before any chain it went to is), planned from the changes alone when
+/// nothing else was reshaped; one changed by hand is put right element by
+/// element; one whose entries are unknown is made again.
 #[test]
-fn dispatch_maps_are_made_replaced_and_repaired_in_order() {
+fn dispatch_maps_are_made_patched_and_repaired_in_order() {
     let mut t = ChainTable::new("filter-0", IpVersion::V4, Ownership::new("dph")).with_maps();
     for c in ["dph-fw-cali1", "dph-fw-cali2"] {
         t.set_chain(c, vec![r("-j ACCEPT")]).unwrap();
     }
-    let dispatch = |ifaces: &[&str]| {
-        let mut rules: Vec<Rule> = ifaces
+    let dispatch = |entries: &[(&str, &str)]| {
+        let mut rules: Vec<Rule> = entries
             .iter()
-            .map(|i| r(&format!("-i {i} -g dph-fw-{i}")))
+            .map(|(i, c)| r(&format!("-i {i} -g dph-fw-{c}")))
             .collect();
         rules.push(r("-j DROP"));
         rules
     };
-    t.set_chain("dph-from-wl-dispatch", dispatch(&["cali1", "cali2"]))
-        .unwrap();
+    t.set_chain(
+        "dph-from-wl-dispatch",
+        dispatch(&[("cali1", "cali1"), ("cali2", "cali2")]),
+    )
+    .unwrap();
     t.set_hooks("FORWARD", vec![r("-j dph-from-wl-dispatch")])
         .unwrap();
     let mut tables = vec![t];
     let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
     let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
     let ops = names(&p.ops);
-    let pos = |what: &str| {
+    let pos = |ops: &[String], what: &str| {
         ops.iter()
             .position(|o| o.starts_with(what))
             .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
     };
-    let map = pos("adding map dph-filter-0/dispatch-in-");
-    let entries = pos("adding 2 entries to dph-filter-0/dispatch-in-");
-    assert!(map < pos("adding chain dph-filter-0/dph-fw-cali2"));
-    assert!(pos("adding chain dph-filter-0/dph-fw-cali2") < entries);
-    assert!(entries < pos("adding rule"));
+    let map = pos(&ops, "adding map dph-filter-0/dispatch-in-");
+    let entries = pos(&ops, "adding 2 entries to dph-filter-0/dispatch-in-");
+    assert!(map < pos(&ops, "adding chain dph-filter-0/dph-fw-cali2"));
+    assert!(pos(&ops, "adding chain dph-filter-0/dph-fw-cali2") < entries);
+    assert!(entries < pos(&ops, "adding rule"));
     committed(&mut tables, &mut sets);
     let first = p.after.clone();
-
-    // cali2 goes: a new map, the old one removed before its chain.
-    tables[0]
-        .set_chain("dph-from-wl-dispatch", dispatch(&["cali1"]))
-        .unwrap();
-    tables[0].remove_chain("dph-fw-cali2");
-    let p = plan_v4(&tables, &sets, &first, None).unwrap();
-    let ops = names(&p.ops);
-    let pos = |what: &str| {
-        ops.iter()
-            .position(|o| o.starts_with(what))
-            .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
-    };
-    assert!(
-        pos("flushing chain dph-filter-0/dph-from-wl-dispatch")
-            < pos("removing set dph-filter-0/dispatch-in-")
-    );
-    assert!(
-        pos("removing set dph-filter-0/dispatch-in-")
-            < pos("removing chain dph-filter-0/dph-fw-cali2")
-    );
-    assert!(pos("adding 1 entries to dph-filter-0/dispatch-in-") < pos("adding rule"));
-    committed(&mut tables, &mut sets);
-    let second = p.after.clone();
-    let again = plan_v4(&tables, &sets, &second, None).unwrap();
-    assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
-
-    // An entry taken out by hand: the map and its chain made again.
-    let map = second["dph-filter-0"]
+    let name = first["dph-filter-0"]
         .sets
         .keys()
         .find(|s| s.starts_with("dispatch-"))
         .unwrap()
         .clone();
+
+    // cali2 goes: its element, then its chain; the map and its lookup stay.
+    tables[0]
+        .set_chain("dph-from-wl-dispatch", dispatch(&[("cali1", "cali1")]))
+        .unwrap();
+    tables[0].remove_chain("dph-fw-cali2");
+    let p = plan_v4(&tables, &sets, &first, None).unwrap();
+    assert_eq!(
+        names(&p.ops),
+        [
+            "flushing chain dph-filter-0/dph-fw-cali2".to_string(),
+            format!("removing 1 elements from dph-filter-0/{name}"),
+            "removing chain dph-filter-0/dph-fw-cali2".to_string(),
+        ]
+    );
+    committed(&mut tables, &mut sets);
+    let second = p.after.clone();
+    let again = plan_v4(&tables, &sets, &second, None).unwrap();
+    assert!(again.ops.is_empty(), "{:?}", names(&again.ops));
+
+    // A replica of cali1 comes: nothing reshaped, its element alone, from
+    // the changes.
+    tables[0]
+        .set_chain(
+            "dph-from-wl-dispatch",
+            dispatch(&[("cali1", "cali1"), ("cali3", "cali1")]),
+        )
+        .unwrap();
+    assert!(!tables[0].reshaped);
+    let p = plan_v4(&tables, &sets, &second, None).unwrap();
+    assert!(cheap(&p, "dph-filter-0"), "planned from the changes");
+    assert_eq!(
+        names(&p.ops),
+        [format!("adding 1 entries to dph-filter-0/{name}")]
+    );
+    committed(&mut tables, &mut sets);
+    let third = p.after.clone();
+    assert_eq!(
+        third["dph-filter-0"].maps[&name],
+        [("cali1", "dph-fw-cali1"), ("cali3", "dph-fw-cali1")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .into()
+    );
+    assert!(
+        plan_v4(&tables, &sets, &third, None)
+            .unwrap()
+            .ops
+            .is_empty()
+    );
+
+    // Changed by hand, as a read finds it: cali1's element gone, cali3's
+    // going elsewhere, one more: put right element by element.
+    let mut read = third.clone();
+    read.get_mut("dph-filter-0").unwrap().maps.insert(
+        name.clone(),
+        [("cali3", ""), ("cali9", "dph-fw-cali1")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .into(),
+    );
     let contents: Contents = [(
-        ("dph-filter-0".to_string(), map.clone()),
-        Content::Keys(HashSet::new()),
+        ("dph-filter-0".to_string(), name.clone()),
+        Content::Keys([Key::ifname("cali3"), Key::ifname("cali9")].into()),
     )]
     .into();
-    let p = plan_v4(&tables, &sets, &second, Some(&contents)).unwrap();
+    let p = plan_v4(&tables, &sets, &read, Some(&contents)).unwrap();
+    assert_eq!(
+        names(&p.ops),
+        [
+            format!("removing 2 elements from dph-filter-0/{name}"),
+            format!("adding 2 entries to dph-filter-0/{name}"),
+        ]
+    );
+    assert_eq!(p.after, third, "as written");
+    // As read with its entries: nothing to do.
+    let p = plan_v4(&tables, &sets, &third, Some(&contents)).unwrap();
+    assert!(p.ops.is_empty(), "{:?}", names(&p.ops));
+
+    // Entries unknown (a map this process did not write or read): made
+    // again, with the chain that looks it up.
+    let mut unknown = third.clone();
+    unknown.get_mut("dph-filter-0").unwrap().maps.clear();
+    let p = plan_v4(&tables, &sets, &unknown, Some(&contents)).unwrap();
     let short: Vec<String> = names(&p.ops)
         .into_iter()
         .map(|o| {
@@ -244,21 +298,13 @@ fn dispatch_maps_are_made_replaced_and_repaired_in_order() {
         short,
         [
             "flushing chain dph-filter-0/dph-from-wl-dispatch".to_string(),
-            format!("removing set dph-filter-0/{map}"),
-            format!("adding map dph-filter-0/{map}"),
-            format!("adding 1 entries to dph-filter-0/{map}"),
+            format!("removing set dph-filter-0/{name}"),
+            format!("adding map dph-filter-0/{name}"),
+            format!("adding 2 entries to dph-filter-0/{name}"),
             "adding rule".to_string(),
             "adding rule".to_string(),
         ]
     );
-    // As read with its entries: nothing to do.
-    let whole: Contents = [(
-        ("dph-filter-0".to_string(), map.clone()),
-        Content::Keys([Key::ifname("cali1")].into()),
-    )]
-    .into();
-    let p = plan_v4(&tables, &sets, &second, Some(&whole)).unwrap();
-    assert!(p.ops.is_empty(), "{:?}", names(&p.ops));
 }
 
 /// A base chain found at another priority (made again by hand) is
