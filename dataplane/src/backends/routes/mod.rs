@@ -34,6 +34,28 @@ mod plan;
 #[cfg(test)]
 mod tests;
 
+/// A kernel with no links, routes or neighbours that takes every write:
+/// for tests of what others hand this backend.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct EmptyKernel;
+
+#[cfg(test)]
+impl RouteSeam for EmptyKernel {
+    fn links(&mut self) -> Result<Vec<Link>, BackendError> {
+        Ok(vec![])
+    }
+    fn routes(&mut self) -> Result<Vec<KernelRoute>, BackendError> {
+        Ok(vec![])
+    }
+    fn neighbours(&mut self) -> Result<(Vec<KernelNeighbour>, Vec<KernelFdb>), BackendError> {
+        Ok((vec![], vec![]))
+    }
+    fn write(&mut self, _ops: &[RouteOp]) -> Vec<(usize, BackendError)> {
+        vec![]
+    }
+}
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};

@@ -1199,41 +1199,6 @@ fn a_sharded_nftables_filter_gets_no_dispatch_tree() {
     assert_eq!(k.nftables[0].filter.placement().len(), 40);
 }
 
-/// Seams never called: the routes backend is only read for its desired
-/// state.
-#[derive(Debug)]
-struct NoRoutes;
-
-impl crate::backends::routes::RouteSeam for NoRoutes {
-    fn links(
-        &mut self,
-    ) -> Result<Vec<crate::backends::routes::Link>, crate::backends::BackendError> {
-        unreachable!()
-    }
-    fn routes(
-        &mut self,
-    ) -> Result<Vec<crate::backends::routes::KernelRoute>, crate::backends::BackendError> {
-        unreachable!()
-    }
-    fn neighbours(
-        &mut self,
-    ) -> Result<
-        (
-            Vec<crate::backends::routes::KernelNeighbour>,
-            Vec<crate::backends::routes::KernelFdb>,
-        ),
-        crate::backends::BackendError,
-    > {
-        unreachable!()
-    }
-    fn write(
-        &mut self,
-        _: &[crate::backends::routes::RouteOp],
-    ) -> Vec<(usize, crate::backends::BackendError)> {
-        unreachable!()
-    }
-}
-
 /// The workload routes, neighbours and knobs of `k`, as text.
 fn link_state(k: &DesiredKernel) -> (Vec<String>, Vec<String>, Vec<String>) {
     let r = k.routes.as_ref().unwrap();
@@ -1276,7 +1241,7 @@ fn routes_and_knobs_follow_each_interface_as_a_restart_would_find_them() {
                 tunnel_devices: vec![],
                 tables: vec![],
             },
-            Box::new(NoRoutes),
+            Box::new(crate::backends::routes::EmptyKernel),
         ));
         k.sysctls = Some(crate::backends::sysctl::Sysctls::new("/nonexistent"));
         k

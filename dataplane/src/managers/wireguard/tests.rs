@@ -1,43 +1,11 @@
 use super::*;
 use crate::backends::Backend;
-use crate::backends::routes::{RouteOwnership, RouteSeam, Routes};
+use crate::backends::routes::{EmptyKernel, RouteOwnership, Routes};
 use crate::backends::wireguard::fake::{Seam, fake};
 use crate::backends::wireguard::keys::KeyStore;
 use crate::backends::wireguard::{Wireguard, public_key};
 use crate::model::Route;
 use crate::model::wireguard::WgImpl;
-
-#[derive(Debug)]
-struct NoKernel;
-impl RouteSeam for NoKernel {
-    fn links(
-        &mut self,
-    ) -> Result<Vec<crate::backends::routes::Link>, crate::backends::BackendError> {
-        Ok(vec![])
-    }
-    fn routes(
-        &mut self,
-    ) -> Result<Vec<crate::backends::routes::KernelRoute>, crate::backends::BackendError> {
-        Ok(vec![])
-    }
-    fn neighbours(
-        &mut self,
-    ) -> Result<
-        (
-            Vec<crate::backends::routes::KernelNeighbour>,
-            Vec<crate::backends::routes::KernelFdb>,
-        ),
-        crate::backends::BackendError,
-    > {
-        Ok((vec![], vec![]))
-    }
-    fn write(
-        &mut self,
-        _ops: &[crate::backends::routes::RouteOp],
-    ) -> Vec<(usize, crate::backends::BackendError)> {
-        vec![]
-    }
-}
 
 fn kernel() -> DesiredKernel {
     DesiredKernel {
@@ -55,7 +23,7 @@ fn kernel() -> DesiredKernel {
                 tunnel_devices: vec![],
                 tables: vec![1, 2],
             },
-            Box::new(NoKernel),
+            Box::new(EmptyKernel),
         )),
         ..DesiredKernel::default()
     }
