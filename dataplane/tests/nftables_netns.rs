@@ -394,6 +394,17 @@ fn host_and_client(tag: &str, iface: &str, net: &str) -> Result<(Netns, Netns)> 
             drop(c)
         }
     });
+    // Ready when the client first gets through (the veth's carrier and
+    // the first ARP can take longer than one try's half second on a busy
+    // machine; a test's own first check then failed for that alone).
+    let to = format!("{net}.1:8080");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !connects(&client, &to) {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{to} not reached from the client in 10 s, with no rules"
+        );
+    }
     Ok((host, client))
 }
 
