@@ -34,6 +34,24 @@ mod plan;
 #[cfg(test)]
 mod tests;
 
+/// Routes over an [`EmptyKernel`], owning workload routes (`cali`,
+/// protocol 3) and routing tables `tables`: for tests of what others hand
+/// this backend.
+#[cfg(test)]
+pub(crate) fn empty(tables: Vec<u32>) -> Routes {
+    Routes::new(
+        RouteOwnership {
+            exclusive_protocol: 80,
+            device_protocol: 3,
+            workload_prefix: "cali".into(),
+            remove_external_routes: true,
+            tunnel_devices: vec![],
+            tables,
+        },
+        Box::new(EmptyKernel),
+    )
+}
+
 /// A kernel with no links, routes or neighbours that takes every write:
 /// for tests of what others hand this backend.
 #[cfg(test)]

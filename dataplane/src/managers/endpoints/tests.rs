@@ -1228,21 +1228,10 @@ fn link_state(k: &DesiredKernel) -> (Vec<String>, Vec<String>, Vec<String>) {
 /// started with the same state computes whole.
 #[test]
 fn routes_and_knobs_follow_each_interface_as_a_restart_would_find_them() {
-    use crate::backends::routes::{RouteOwnership, Routes};
     use crate::interfaces::InterfaceEvent as E;
     let kernel = || {
         let mut k = kernel(IpVersion::V4);
-        k.routes = Some(Routes::new(
-            RouteOwnership {
-                exclusive_protocol: 80,
-                device_protocol: 3,
-                workload_prefix: "cali".into(),
-                remove_external_routes: true,
-                tunnel_devices: vec![],
-                tables: vec![],
-            },
-            Box::new(crate::backends::routes::EmptyKernel),
-        ));
+        k.routes = Some(crate::backends::routes::empty(vec![]));
         k.sysctls = Some(crate::backends::sysctl::Sysctls::new("/nonexistent"));
         k
     };

@@ -1,6 +1,5 @@
 use super::*;
 use crate::backends::Backend;
-use crate::backends::routes::{EmptyKernel, RouteOwnership, Routes};
 use crate::backends::wireguard::fake::{Seam, fake};
 use crate::backends::wireguard::keys::KeyStore;
 use crate::backends::wireguard::{Wireguard, public_key};
@@ -14,17 +13,7 @@ fn kernel() -> DesiredKernel {
             KeyStore::new(None),
             WgImpl::Auto,
         )),
-        routes: Some(Routes::new(
-            RouteOwnership {
-                exclusive_protocol: 80,
-                device_protocol: 3,
-                workload_prefix: "cali".into(),
-                remove_external_routes: true,
-                tunnel_devices: vec![],
-                tables: vec![1, 2],
-            },
-            Box::new(EmptyKernel),
-        )),
+        routes: Some(crate::backends::routes::empty(vec![1, 2])),
         ..DesiredKernel::default()
     }
 }

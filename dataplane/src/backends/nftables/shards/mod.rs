@@ -487,7 +487,7 @@ impl RuleTable for Filter {
             }
             return Ok(());
         }
-        if name == l.input_chain() {
+        if l.is_input_chain(name) {
             // What a workload sends the host that INPUT takes before its
             // egress policy, and the workload interfaces: filter's
             // prerouting follows them.

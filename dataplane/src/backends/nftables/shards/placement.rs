@@ -24,9 +24,11 @@ impl Placement {
         }
     }
 
-    /// The managers' filter INPUT chain (`<prefix>INPUT`).
-    pub(super) fn input_chain(&self) -> String {
-        format!("{}INPUT", self.chain_prefix)
+    /// Whether `name` is the managers' filter INPUT chain
+    /// (`<prefix>INPUT`); asked of every chain set, so without building a
+    /// name.
+    pub(super) fn is_input_chain(&self, name: &str) -> bool {
+        name.strip_prefix(&self.chain_prefix) == Some("INPUT")
     }
 
     /// Filter's prerouting, before the shards': both bits cleared
