@@ -724,7 +724,14 @@ async fn two_feeders_at_once_share_one_state() -> Result<()> {
     // Feeder B, while A's stream stays open: deltas to A's set, its own
     // set, and then its own snapshot's end.
     let mut b = Feed::open(&mut c).await?;
-    let st = status(&mut c).await?;
+    // (The loop counts a stream once it has taken its opening, just after
+    // the stream is answered: a status read at once may not show it yet.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut st = status(&mut c).await?;
+    while st.feeders != 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        st = status(&mut c).await?;
+    }
     assert_eq!(st.feeders, 2, "{st:?}");
     b.send(set("s:only-b", "10.2.0.1"))?;
     b.send(Payload::IpsetDeltaUpdate(felix::IpSetDeltaUpdate {
