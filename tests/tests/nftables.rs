@@ -66,6 +66,26 @@ fn ours_in_iptables(host: &Netns) -> Result<(usize, usize)> {
     ))
 }
 
+/// The chains of every shard table, as `<table> <chain>`.
+fn shard_chains(host: &Netns) -> Result<std::collections::BTreeSet<String>> {
+    let mut out = std::collections::BTreeSet::new();
+    for t in our_tables(host)? {
+        let Some(t) = t.strip_prefix("table ip ") else {
+            continue;
+        };
+        if !t.starts_with("dph-filter-") {
+            continue;
+        }
+        let l = host.run("nft", &["list", "table", "ip", t])?.stdout;
+        for line in String::from_utf8_lossy(&l).lines() {
+            if let Some(c) = line.trim().strip_prefix("chain ") {
+                out.insert(format!("{t} {}", c.trim_end_matches(" {")));
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn our_tables(host: &Netns) -> Result<Vec<String>> {
     let out = host.run("nft", &["list", "tables"])?;
     Ok(String::from_utf8_lossy(&out.stdout)
@@ -239,8 +259,16 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
             "    tiers:\n      - name: default\n        egressPolicies: [{name: default.out}]\n        defaultAction: deny\n"
         )
     );
+    let chains_before = shard_chains(&host)?;
     let (rej, _) = push(&mut c, yaml_msgs(100, &egress)).await?;
     ensure!(rej.is_empty(), "{rej:?}");
+    let chains_with = shard_chains(&host)?;
+    assert!(
+        chains_with
+            .difference(&chains_before)
+            .any(|c| c.contains(" dph-fw-list-")),
+        "w1's new egress list chain is made: {chains_before:?} → {chains_with:?}"
+    );
     assert!(
         !tcp(&w1, "10.65.255.1", 8080),
         "egress denies w1 the host's port"
@@ -253,6 +281,9 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
     );
     let (rej, _) = push(&mut c, yaml_msgs(200, &back)).await?;
     ensure!(rej.is_empty(), "{rej:?}");
+    // Planned from the changes: the list chain of the policy gone is
+    // removed, the one without it made again (nothing else left behind).
+    assert_eq!(shard_chains(&host)?, chains_before);
     assert!(tcp(&w1, "10.65.255.1", 8080), "allowed again");
     let copy = Netns::new("nftcopy")?;
     let file = dir.path().join("dph-filter.nft");

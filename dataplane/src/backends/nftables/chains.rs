@@ -200,10 +200,15 @@ pub struct ChainTable {
     forced: BTreeSet<String>,
     /// Changed since the last successful write.
     pub(super) changed: bool,
-    /// Chains whose rules changed (nothing else did) since then.
+    /// Chains set (added or whose rules changed) since then.
     pub(super) touched: BTreeSet<String>,
-    /// What is programmed may have changed (a chain added or removed, a
-    /// jump changed, the hooks, the forced chains): the next plan looks at
+    /// Which chains the hooks reach may have changed (a chain added or
+    /// removed, a jump changed; the hooks and forced chains as they were):
+    /// the next plan looks at which chains are reached and writes the
+    /// touched and new ones, removes those no longer reached
+    /// (`plan::changes::shaped`).
+    pub(super) regraphed: bool,
+    /// The hooks or the forced chains changed: the next plan looks at
     /// every chain.
     pub(super) reshaped: bool,
     interned: Interned,
@@ -230,6 +235,7 @@ impl ChainTable {
             forced: BTreeSet::new(),
             changed: true,
             touched: BTreeSet::new(),
+            regraphed: true,
             reshaped: true,
             interned: Interned::default(),
             maps: false,
@@ -271,15 +277,14 @@ impl ChainTable {
                 a == b
             }
         });
-        if same_jumps {
-            self.touched.insert(name.to_string());
-        } else {
+        self.touched.insert(name.to_string());
+        if !same_jumps {
             tracing::debug!(
                 table = self.table,
                 chain = name,
-                "reshaped: a chain's jumps changed"
+                "regraphed: a chain's jumps changed"
             );
-            self.reshaped = true;
+            self.regraphed = true;
         }
         let old = self.chains.insert(name.to_string(), chain);
         self.changed = true;
@@ -345,9 +350,9 @@ impl RuleTable for ChainTable {
             tracing::debug!(
                 table = self.table,
                 chain = name,
-                "reshaped: a chain removed"
+                "regraphed: a chain removed"
             );
-            self.reshaped = true;
+            self.regraphed = true;
         }
     }
 

@@ -83,6 +83,8 @@ pub enum Patch {
     Set(SetInfo),
     /// A dispatch map's entries changed: what it holds now.
     Map(String, BTreeMap<String, String>),
+    /// A chain removed.
+    ChainGone(String),
 }
 
 /// What one table holds after a commit.
@@ -148,6 +150,9 @@ impl Plan {
                             }
                             Patch::Map(map, entries) => {
                                 t.maps.insert(map, entries);
+                            }
+                            Patch::ChainGone(chain) => {
+                                t.chains.remove(&chain);
                             }
                         }
                     }
@@ -301,7 +306,7 @@ struct Stages {
 /// How one table is planned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    /// From its changes alone ([`changes::cheap`]).
+    /// From its changes alone ([`changes::cheap`], [`changes::shaped`]).
     Cheap,
     /// Every chain its hooks reach ([`table::TableCtx`]).
     Whole,
@@ -310,11 +315,12 @@ enum Mode {
 /// Plans one commit for all of `tables` (one IP version, `family`).
 /// `contents` is what a read found in the sets (then every table is
 /// planned whole and its sets diffed against it). Otherwise a table is
-/// planned from its changes alone when nothing in it was reshaped (no
-/// chain added, removed or re-pointed, no hook changed) and it holds the
-/// sets it must: at 50,000 rules a whole plan walks every chain, and most
-/// tables, most of the time, change by a few rules or members or not at
-/// all.
+/// planned from its changes alone when its hooks did not change
+/// ([`changes::cheap`], or [`changes::shaped`] where chains came, went or
+/// were pointed elsewhere; the table that holds every set is planned
+/// whole then, and when it must take a set): at 50,000 rules a whole plan
+/// walks every chain, and most tables, most of the time, change by a few
+/// rules or members or not at all.
 pub fn plan(
     family: Family,
     chain_prefix: &str,
@@ -342,7 +348,11 @@ pub fn plan(
             if whole_only || t.reshaped || t.all_sets {
                 return None;
             }
-            changes::cheap(family, n, t, sets, obs)
+            if t.regraphed {
+                changes::shaped(family, n, t, sets, obs)
+            } else {
+                changes::cheap(family, n, t, sets, obs)
+            }
         })
         .collect();
     let mut reaches: Vec<Option<HashSet<&str>>> = tables
@@ -382,8 +392,19 @@ pub fn plan(
             );
         }
     }
+    // Sets the tables planned from their changes take in this commit (a
+    // new list chain's).
+    let taken: HashSet<String> = cheap
+        .iter()
+        .flatten()
+        .flat_map(|c| &c.patches)
+        .filter_map(|p| match p {
+            Patch::Set(info) => Some(info.name.clone()),
+            _ => None,
+        })
+        .collect();
     for (i, t) in tables.iter().enumerate() {
-        if !t.all_sets || whole_only || t.reshaped {
+        if !t.all_sets || whole_only || t.reshaped || t.regraphed {
             continue;
         }
         let Some(obs) = observed.get(&names[i]) else {
@@ -393,6 +414,7 @@ pub fn plan(
             obs.sets.contains_key(s)
                 || (t.spare_sets_only
                     && (whole_reach.contains(s)
+                        || taken.contains(s)
                         || tables.iter().zip(&names).zip(&cheap).any(|((o, n), c)| {
                             !o.all_sets
                                 && c.is_some()
@@ -430,8 +452,10 @@ pub fn plan(
             let c = cheap[i].take().expect("cheap");
             st.flushes.extend(c.flushes);
             st.sets.extend(c.sets);
+            st.chains.extend(c.chains);
             st.map_elements.extend(c.map_elements);
             st.rules.extend(c.rules);
+            st.chain_removals.extend(c.chain_removals);
             out.ranges.extend(c.ranges);
             out.tables
                 .insert(name.clone(), TableAfter::Patched(c.patches));

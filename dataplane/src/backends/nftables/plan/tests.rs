@@ -85,6 +85,7 @@ fn committed(tables: &mut [ChainTable], sets: &mut DesiredSets) {
     for t in tables {
         t.changed = false;
         t.reshaped = false;
+        t.regraphed = false;
         t.touched.clear();
     }
 }
@@ -391,9 +392,15 @@ fn changes_alone_are_planned_without_the_rest() {
     tables[0]
         .set_chain("dph-a", vec![r("-i a -g dph-p"), r("-j dph-p")])
         .unwrap();
-    assert!(tables[0].reshaped, "a new jump");
+    assert!(
+        tables[0].regraphed && !tables[0].reshaped,
+        "a new jump: which chains are reached may change"
+    );
     let c = plan_v4(&tables, &sets, &observed, None).unwrap();
-    assert!(!cheap(&c, "dph-filter"));
+    assert!(
+        !cheap(&c, "dph-filter"),
+        "the table that holds every set is planned whole"
+    );
     committed(&mut tables, &mut sets);
     let observed = c.after;
     tables[0]
@@ -402,7 +409,7 @@ fn changes_alone_are_planned_without_the_rest() {
             vec![r("-i a -g dph-p"), r("-i b -g dph-p"), r("-j dph-p")],
         )
         .unwrap();
-    assert!(!tables[0].reshaped);
+    assert!(!tables[0].reshaped && !tables[0].regraphed);
     let c = plan_v4(&tables, &sets, &observed, None).unwrap();
     assert!(cheap(&c, "dph-filter"));
     assert_eq!(
@@ -537,11 +544,34 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
     committed(&mut tables, &mut sets);
     let observed = c.after;
 
-    // The shard reshaped (a chain more) and no longer looking up dph40d:
-    // it drops the set, and filter takes it (every set is somewhere).
+    // The shard given a chain more and no longer looking up dph40d:
+    // planned from its changes (the chain made, the rule rewritten); it
+    // keeps the set until its next whole plan, and filter stays as it is.
     tables[1].set_chain("dph-b", vec![r("-j DROP")]).unwrap();
     tables[1]
         .set_chain("dph-a", vec![r("-m set --match-set dph40a src -j dph-b")])
+        .unwrap();
+    assert!(tables[1].regraphed && !tables[1].reshaped);
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter") && cheap(&c, "dph-filter-0"));
+    assert_eq!(
+        names(&c.ops),
+        [
+            "flushing chain dph-filter-0/dph-a",
+            "adding chain dph-filter-0/dph-b",
+            "adding rule \"dph:3zY8FU_6ax9t8-4I\" to dph-filter-0/dph-b",
+            "adding rule \"dph:TQr2SvOpPeqTF7iT\" to dph-filter-0/dph-a",
+        ]
+    );
+    assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c"]);
+    assert_eq!(held(&c.after, "dph-filter-0"), ["dph40a", "dph40d"]);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // Its hooks changed (a whole plan): it drops the set, and filter
+    // takes it (every set is somewhere).
+    tables[1]
+        .set_hooks("FORWARD", vec![r("-j dph-a"), r("-j ACCEPT")])
         .unwrap();
     assert!(tables[1].reshaped);
     let c = plan_v4(&tables, &sets, &observed, None).unwrap();
@@ -560,4 +590,172 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
     let c = plan_v4(&tables, &sets, &observed, None).unwrap();
     assert!(cheap(&c, "dph-filter") && !cheap(&c, "dph-filter-0"));
     assert_eq!(held(&c.after, "dph-filter"), ["dph40b", "dph40c", "dph40d"]);
+}
+
+/// A shard whose chains come and go (an endpoint with a new policy list
+/// chain, one whose list chain and policy copy go with it) is planned from
+/// its changes, and leaves the chains and maps a whole plan would (a new
+/// chain's set not held yet comes with its members); a dispatch whose map
+/// would still hold chains that go takes the whole plan.
+#[test]
+fn chains_that_come_and_go_are_planned_from_the_changes() {
+    let mut t = ChainTable::new("filter-0", IpVersion::V4, Ownership::new("dph")).with_maps();
+    t.set_chain("dph-pi-x", vec![r("-m set --match-set dph40a src -j DROP")])
+        .unwrap();
+    t.set_chain("dph-pi-y", vec![r("-p tcp -j DROP")]).unwrap();
+    t.set_chain("dph-fw-1", vec![r("-j dph-pi-x"), r("-j dph-pi-y")])
+        .unwrap();
+    t.set_chain("dph-fw-2", vec![r("-j dph-pi-x"), r("-j ACCEPT")])
+        .unwrap();
+    let dispatch = |entries: &[(&str, &str)]| {
+        let mut rules: Vec<Rule> = entries
+            .iter()
+            .map(|(i, c)| r(&format!("-i {i} -g dph-fw-{c}")))
+            .collect();
+        rules.push(r("-j DROP"));
+        rules
+    };
+    t.set_chain("dph-d", dispatch(&[("cali1", "1"), ("cali2", "2")]))
+        .unwrap();
+    t.set_hooks("FORWARD", vec![r("-j dph-d")]).unwrap();
+    let mut tables = vec![t];
+    let mut sets = DesiredSets::new(IpVersion::V4, SetNames::new("dph").unwrap());
+    let meta = Meta {
+        set_type: IpSetType::Ip,
+        maxelem: 10,
+    };
+    sets.replace("dph40a".into(), meta, [ip("10.0.0.1")].into());
+    sets.replace("dph40b".into(), meta, [ip("10.0.0.2")].into());
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    let observed = p.after;
+    let map = observed["dph-filter-0"]
+        .maps
+        .keys()
+        .next()
+        .expect("a dispatch map")
+        .clone();
+    // What a whole plan from nothing leaves: the chains and maps.
+    let as_whole = |tables: &[ChainTable], sets: &DesiredSets, after: &Observed| {
+        let fresh = plan_v4(tables, sets, &Observed::new(), None).unwrap();
+        let (w, s) = (&fresh.after["dph-filter-0"], &after["dph-filter-0"]);
+        assert_eq!(s.chains, w.chains);
+        assert_eq!(s.maps, w.maps);
+    };
+
+    // An endpoint with a list chain of its own comes (and a member with
+    // it): the chain made, its element added after it, its rules.
+    tables[0]
+        .set_chain("dph-fw-3", vec![r("-j dph-pi-x"), r("-j DROP")])
+        .unwrap();
+    tables[0]
+        .set_chain(
+            "dph-d",
+            dispatch(&[("cali1", "1"), ("cali2", "2"), ("cali3", "3")]),
+        )
+        .unwrap();
+    sets.delta(
+        "dph40a",
+        &mut [ip("10.0.0.9")].into_iter(),
+        &mut std::iter::empty(),
+    );
+    assert!(tables[0].regraphed && !tables[0].reshaped);
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter-0"), "{:?}", c.tables);
+    let ops = names(&c.ops);
+    assert_eq!(ops[0], "adding 1 elements to dph-filter-0/dph40a");
+    assert_eq!(ops[1], "adding chain dph-filter-0/dph-fw-3");
+    assert_eq!(ops[2], format!("adding 1 entries to dph-filter-0/{map}"));
+    assert!(
+        ops[3..]
+            .iter()
+            .all(|o| o.ends_with("to dph-filter-0/dph-fw-3"))
+    );
+    assert_eq!(ops.len(), 5, "{ops:#?}");
+    as_whole(&tables, &sets, &c.after);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // Endpoint 1 goes, and with it the only list chain that used policy
+    // y: both emptied first, the element removed, then both chains.
+    tables[0]
+        .set_chain("dph-d", dispatch(&[("cali2", "2"), ("cali3", "3")]))
+        .unwrap();
+    tables[0].remove_chain("dph-fw-1");
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter-0"), "{:?}", c.tables);
+    assert_eq!(
+        names(&c.ops),
+        [
+            "flushing chain dph-filter-0/dph-fw-1".to_string(),
+            "flushing chain dph-filter-0/dph-pi-y".to_string(),
+            format!("removing 1 elements from dph-filter-0/{map}"),
+            "removing chain dph-filter-0/dph-fw-1".to_string(),
+            "removing chain dph-filter-0/dph-pi-y".to_string(),
+        ]
+    );
+    as_whole(&tables, &sets, &c.after);
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+    assert!(
+        plan_v4(&tables, &sets, &observed, None)
+            .unwrap()
+            .ops
+            .is_empty(),
+        "nothing left to do"
+    );
+
+    // A new list chain that looks up a set the shard does not hold: the
+    // set comes with its members, before the chain's rules; still from
+    // the changes, and filter does not take the set.
+    tables[0]
+        .set_chain("dph-fw-4", vec![r("-m set --match-set dph40b src -j DROP")])
+        .unwrap();
+    tables[0]
+        .set_chain(
+            "dph-d",
+            dispatch(&[("cali2", "2"), ("cali3", "3"), ("cali4", "4")]),
+        )
+        .unwrap();
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(cheap(&c, "dph-filter-0"), "{:?}", c.tables);
+    let ops = names(&c.ops);
+    assert_eq!(
+        ops[..3],
+        [
+            "adding set dph-filter-0/dph40b",
+            "adding 1 elements to dph-filter-0/dph40b",
+            "adding chain dph-filter-0/dph-fw-4",
+        ]
+    );
+    as_whole(&tables, &sets, &c.after);
+    let fresh = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    assert_eq!(
+        c.after["dph-filter-0"].sets,
+        fresh.after["dph-filter-0"].sets
+    );
+    committed(&mut tables, &mut sets);
+    let observed = c.after;
+
+    // The last interfaces go: the dispatch is a drop alone, no map. The
+    // map would hold the list chains that go, so the whole plan removes
+    // it first.
+    tables[0].set_chain("dph-d", dispatch(&[])).unwrap();
+    for c in ["dph-fw-2", "dph-fw-3", "dph-fw-4", "dph-pi-x"] {
+        tables[0].remove_chain(c);
+    }
+    assert!(!tables[0].reshaped);
+    let c = plan_v4(&tables, &sets, &observed, None).unwrap();
+    assert!(!cheap(&c, "dph-filter-0"), "{:?}", names(&c.ops));
+    let ops = names(&c.ops);
+    let at = |what: &str| {
+        ops.iter()
+            .position(|o| o.starts_with(what))
+            .unwrap_or_else(|| panic!("no {what}: {ops:#?}"))
+    };
+    assert!(
+        at(&format!("removing set dph-filter-0/{map}"))
+            < at("removing chain dph-filter-0/dph-fw-2")
+    );
+    as_whole(&tables, &sets, &c.after);
 }
