@@ -22,7 +22,7 @@ use super::chains::ChainTable;
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{Family, Op};
 use super::plan::{
-    Content, Contents, Observed, ObservedChain, ObservedTable, PlanError, TableAfter, plan,
+    Content, Contents, Observed, ObservedChain, ObservedTable, Patch, PlanError, TableAfter, plan,
 };
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
@@ -593,10 +593,11 @@ impl Backend for Dataplane {
             info!(ops = n, elapsed = ?started.elapsed(), after_read = adopted, whole, commits = self.commits, "nftables committed");
         }
         let observed = self.observed.as_mut().expect("planned from it");
-        // A patch adds a port list at most: the sets held change only with
-        // a table written whole or removed, and then only when a set came or
-        // went or a read came back (else every set was held before and is
-        // after: a set one table stops using, the spare table takes).
+        // The sets held change only with a table written whole or removed,
+        // or a set a patch adds (a new chain's in a shard), and then only
+        // when a set came or went or a read came back (else every set was
+        // held before and is after: a set one table stops using, the spare
+        // table takes).
         // Counting them all took ~3% of the daemon under endpoint churn.
         let sets_moved = self.contents.is_some()
             || self.sets.removed_any
@@ -606,9 +607,10 @@ impl Backend for Dataplane {
                 .values()
                 .any(|c| matches!(c, super::sets::Change::Whole));
         let recount = sets_moved
-            && p.tables
-                .values()
-                .any(|t| !matches!(t, TableAfter::Patched(_)));
+            && p.tables.values().any(|t| match t {
+                TableAfter::Patched(patches) => patches.iter().any(|x| matches!(x, Patch::Set(_))),
+                _ => true,
+            });
         for name in p.apply_to(observed, &mut self.sets.written_ranges) {
             let counts = observed.get(&name).map(|t| {
                 let rules = t.chains.values().map(|c| c.comments.len()).sum();
@@ -980,5 +982,121 @@ mod tests {
             .unwrap();
         d.apply(Phase::Tables).unwrap();
         assert_eq!(line(&d).as_deref(), Some("2 chains, 3 rules, 1 sets"));
+    }
+
+    /// A new IP set that a new endpoint's policy looks up, in the same
+    /// apply: its shard is planned from the changes and takes the set, not
+    /// filter (whether filter is planned from its changes or, a policy
+    /// chain more, whole), and the sets held count it.
+    #[test]
+    fn a_set_a_shard_takes_from_its_changes_is_counted_held() {
+        let fake = Fake {
+            commits: Arc::default(),
+            refuse: Arc::default(),
+            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
+            go: Arc::new(Mutex::new(mpsc::channel().1)),
+            detached: Arc::default(),
+        };
+        let mut d = Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            ShardLayout {
+                marks: crate::rules::Marks::default(),
+                shards: 2,
+            },
+            Box::new(fake),
+        );
+        let r = |s: &str| Rule::parse(s).unwrap();
+        let meta = Meta {
+            set_type: IpSetType::Ip,
+            maxelem: 10,
+        };
+        let one = |a: &str| [Member::Ip(a.parse().unwrap())].into();
+        // Both policies first (filter holds them, unprogrammed): the
+        // second apply leaves filter's chains as they are.
+        for (i, set) in ["dph40a", "dph40b"].iter().enumerate() {
+            d.filter
+                .set_chain(
+                    &format!("dph-pi-p{i}"),
+                    vec![r(&format!("-m set --match-set {set} src -j DROP"))],
+                )
+                .unwrap();
+        }
+        let workloads = |d: &mut Dataplane, n: usize| {
+            let (mut from, mut to) = (Vec::new(), Vec::new());
+            for i in 0..n {
+                d.filter
+                    .set_chain(
+                        &format!("dph-tw-cali{i}"),
+                        vec![r(&format!("-j dph-pi-p{i}")), r("-j DROP")],
+                    )
+                    .unwrap();
+                d.filter
+                    .set_chain(&format!("dph-fw-cali{i}"), vec![r("-j DROP")])
+                    .unwrap();
+                from.push(r(&format!("-i cali{i} -g dph-fw-cali{i}")));
+                to.push(r(&format!("-o cali{i} -g dph-tw-cali{i}")));
+            }
+            from.push(r("-j DROP"));
+            to.push(r("-j DROP"));
+            d.filter.set_chain("dph-from-wl-dispatch", from).unwrap();
+            d.filter.set_chain("dph-to-wl-dispatch", to).unwrap();
+        };
+        d.set_store_mut()
+            .replace("dph40a".into(), meta, one("10.0.0.1"));
+        workloads(&mut d, 1);
+        d.filter
+            .set_hooks(
+                "FORWARD",
+                vec![
+                    r("-i cali+ -j dph-from-wl-dispatch"),
+                    r("-o cali+ -j dph-to-wl-dispatch"),
+                ],
+            )
+            .unwrap();
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(d.held_sets, 1);
+        let shard = d.filter.placement()["cali0"];
+
+        d.set_store_mut()
+            .replace("dph40b".into(), meta, one("10.0.0.2"));
+        workloads(&mut d, 2);
+        assert!(
+            d.filter.main.touched.is_empty() && !d.filter.main.regraphed,
+            "filter itself did not change"
+        );
+        d.apply(Phase::Tables).unwrap();
+        let observed = d.observed.as_ref().unwrap();
+        let s = d.filter.placement()["cali1"];
+        let sets_of = |t: &str| observed[t].sets.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(s, shard, "cali1 goes where cali0 is: the emptier is full");
+        assert!(
+            sets_of(&format!("dph-filter-{s}")).contains(&"dph40b".to_string()),
+            "{:?}",
+            sets_of(&format!("dph-filter-{s}"))
+        );
+        assert!(!sets_of("dph-filter").contains(&"dph40b".to_string()));
+        assert_eq!(d.held_sets, 2, "the new set, held by the shard alone");
+
+        // Again with a new policy in the same apply: filter gets a chain
+        // more (planned whole) and still leaves the set to the shard.
+        d.set_store_mut()
+            .replace("dph40c".into(), meta, one("10.0.0.3"));
+        d.filter
+            .set_chain(
+                "dph-pi-p2",
+                vec![r("-m set --match-set dph40c src -j DROP")],
+            )
+            .unwrap();
+        workloads(&mut d, 3);
+        assert!(d.filter.main.regraphed);
+        d.apply(Phase::Tables).unwrap();
+        let observed = d.observed.as_ref().unwrap();
+        let s = d.filter.placement()["cali2"];
+        let sets_of = |t: &str| observed[t].sets.keys().cloned().collect::<Vec<_>>();
+        assert!(sets_of(&format!("dph-filter-{s}")).contains(&"dph40c".to_string()));
+        assert!(!sets_of("dph-filter").contains(&"dph40c".to_string()));
+        assert_eq!(d.held_sets, 3);
     }
 }

@@ -437,7 +437,13 @@ pub fn plan(
         .zip(&cheap)
         .any(|(t, c)| t.all_sets && t.spare_sets_only && c.is_none());
     let used = if spare_whole {
-        used_sets(tables, &names, &reaches, observed, sets)
+        let mut used = used_sets(tables, &names, &reaches, observed, sets);
+        used.extend(
+            taken
+                .iter()
+                .filter_map(|s| sets.sets.get_key_value(s).map(|(k, _)| k.as_str())),
+        );
+        used
     } else {
         HashSet::new()
     };
@@ -518,7 +524,8 @@ pub fn plan(
 
 /// The sets the tables that do not hold every set look up: a table
 /// planned whole, by the chains it reaches (`reaches`); one planned from
-/// its changes, by the sets it holds.
+/// its changes, by the sets it holds (and those it takes in this commit,
+/// added by the caller).
 fn used_sets<'a>(
     tables: &[&'a ChainTable],
     names: &[String],
