@@ -206,7 +206,7 @@ pub struct ChainTable {
     /// removed, a jump changed; the hooks and forced chains as they were):
     /// the next plan looks at which chains are reached and writes the
     /// touched and new ones, removes those no longer reached
-    /// (`plan::changes::shaped`).
+    /// (`plan::changes::cheap`).
     pub(super) regraphed: bool,
     /// The hooks or the forced chains changed: the next plan looks at
     /// every chain.

@@ -25,9 +25,18 @@ pub(super) struct Cheap {
 }
 
 /// Table `t` (named `table`, `obs` as last written) from its changes
-/// alone; `None` when it takes a full plan: a set of it to be written
-/// whole, an interval set not written by this process, a changed chain
-/// that looks up a set the table does not hold or a dispatch map.
+/// alone: its sets by their deltas, the touched chains rewritten where
+/// their rules changed. Where chains were added, removed or pointed
+/// elsewhere (`regraphed`; its hooks and forced chains as they were), also
+/// the chains its hooks reach now and were not programmed are made, and
+/// those programmed and reached no more emptied and removed. A set the
+/// removed chains alone looked up stays until the table's next whole plan
+/// (a read, a hook changed): only its members cost, and a shard's
+/// endpoint coming or going no longer plans the shard whole (~5 ms at
+/// 10,000 endpoints). `None` when it takes a full plan: a set of it to be
+/// written whole, an interval set not written by this process, a set not
+/// defined, a dispatch map new or not known, or one no chain here brings
+/// up to date that goes to a chain removed.
 pub(super) fn cheap(
     family: Family,
     table: &str,
@@ -37,62 +46,41 @@ pub(super) fn cheap(
 ) -> Option<Cheap> {
     let mut out = Cheap::default();
     members(family, table, obs, sets, &mut out)?;
-    for name in &t.touched {
-        let (Some(c), Some(o)) = (t.chains.get(name), obs.chains.get(name)) else {
-            continue; // not reached from a hook: not programmed
-        };
-        rewrite(family, table, name, c, Some(o), obs, sets, &mut out)?;
-    }
-    Some(out)
-}
-
-/// Table `t`, whose chains were added, removed or pointed elsewhere
-/// (its hooks and forced chains as they were), from its changes: the
-/// chains its hooks reach now and were not programmed are made, those
-/// programmed and reached no more emptied and removed, the touched ones
-/// rewritten where their rules changed; its sets by their deltas. A set
-/// the removed chains alone looked up stays until the table's next whole
-/// plan (a read, a hook changed): only its members cost, and a shard's
-/// endpoint coming or going no longer plans the shard whole (~5 ms at
-/// 10,000 endpoints). `None` when it takes a full plan: as [`cheap`], or
-/// a new chain that is a dispatch map, or a map no chain here brings up
-/// to date that goes to a chain removed.
-pub(super) fn shaped(
-    family: Family,
-    table: &str,
-    t: &ChainTable,
-    sets: &DesiredSets,
-    obs: &ObservedTable,
-) -> Option<Cheap> {
-    let mut out = Cheap::default();
-    members(family, table, obs, sets, &mut out)?;
-    let reach = t.reachable();
+    let reach = t.regraphed.then(|| t.reachable());
     // Programmed and no longer reached (a base chain is a hook's: the
     // hooks did not change).
-    let gone: BTreeSet<&str> = obs
-        .chains
-        .iter()
-        .filter(|(n, o)| o.hook.is_none() && !reach.contains(n.as_str()))
-        .map(|(n, _)| n.as_str())
-        .collect();
-    let mut came: Vec<&str> = reach
-        .iter()
-        .copied()
-        .filter(|n| !obs.chains.contains_key(*n))
-        .collect();
-    came.sort_unstable();
-    for name in came {
-        let c = &t.chains[name];
-        rewrite(family, table, name, c, None, obs, sets, &mut out)?;
+    let gone: BTreeSet<&str> = match &reach {
+        Some(reach) => obs
+            .chains
+            .iter()
+            .filter(|(n, o)| o.hook.is_none() && !reach.contains(n.as_str()))
+            .map(|(n, _)| n.as_str())
+            .collect(),
+        None => BTreeSet::new(),
+    };
+    if let Some(reach) = &reach {
+        let mut came: Vec<&str> = reach
+            .iter()
+            .copied()
+            .filter(|n| !obs.chains.contains_key(*n))
+            .collect();
+        came.sort_unstable();
+        for name in came {
+            let c = &t.chains[name];
+            rewrite(family, table, name, c, None, obs, sets, &mut out)?;
+        }
     }
     for name in &t.touched {
         let (Some(c), Some(o)) = (t.chains.get(name), obs.chains.get(name)) else {
-            continue; // made above, or not reached
+            continue; // made above, or not reached from a hook: not programmed
         };
         if gone.contains(name.as_str()) {
             continue;
         }
         rewrite(family, table, name, c, Some(o), obs, sets, &mut out)?;
+    }
+    if gone.is_empty() {
+        return Some(out);
     }
     // A map brought up to date above goes to reached chains alone, and so
     // does one whose chain is reached and untouched; one whose chain went
@@ -247,34 +235,8 @@ fn add_set(
     }
     let d = sets.sets.get(s)?;
     let (k, interval) = kind(d.meta.set_type, sets.version_of());
-    out.sets.push(Op::AddSet {
-        family,
-        table: table.to_string(),
-        set: s.to_string(),
-        key: k,
-        interval,
-    });
-    if interval {
-        let r = ranges(&d.members);
-        if !r.is_empty() {
-            out.sets.push(Op::AddRanges {
-                family,
-                table: table.to_string(),
-                set: s.to_string(),
-                ranges: r.clone(),
-            });
-        }
+    if let Some(r) = super::push_new_set(&mut out.sets, family, table, s, d, (k, interval)) {
         out.ranges.push(((table.to_string(), s.to_string()), r));
-    } else {
-        let keys: Vec<Key> = d.members.iter().filter_map(key_of).collect();
-        if !keys.is_empty() {
-            out.sets.push(Op::AddElements {
-                family,
-                table: table.to_string(),
-                set: s.to_string(),
-                elements: keys,
-            });
-        }
     }
     out.patches.push(Patch::Set(set_info(s, k, interval)));
     Some(())

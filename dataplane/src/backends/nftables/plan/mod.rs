@@ -217,6 +217,47 @@ fn push_ranges(
     }
 }
 
+/// The ops that make IP set `set` of `table` (kind `key`, an interval
+/// set or not) with every member of `d`; an interval set's ranges.
+fn push_new_set(
+    out: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    set: &str,
+    d: &super::sets::DesiredSet,
+    (k, interval): (KeyType, bool),
+) -> Option<Vec<Range>> {
+    out.push(Op::AddSet {
+        family,
+        table: table.to_string(),
+        set: set.to_string(),
+        key: k,
+        interval,
+    });
+    if interval {
+        let r = ranges(&d.members);
+        if !r.is_empty() {
+            out.push(Op::AddRanges {
+                family,
+                table: table.to_string(),
+                set: set.to_string(),
+                ranges: r.clone(),
+            });
+        }
+        return Some(r);
+    }
+    let keys: Vec<Key> = d.members.iter().filter_map(key).collect();
+    if !keys.is_empty() {
+        out.push(Op::AddElements {
+            family,
+            table: table.to_string(),
+            set: set.to_string(),
+            elements: keys,
+        });
+    }
+    None
+}
+
 /// The ops that remove `del` from and add `add` to hash set `set` of
 /// `table`.
 fn push_elements(
@@ -306,7 +347,7 @@ struct Stages {
 /// How one table is planned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    /// From its changes alone ([`changes::cheap`], [`changes::shaped`]).
+    /// From its changes alone ([`changes::cheap`]).
     Cheap,
     /// Every chain its hooks reach ([`table::TableCtx`]).
     Whole,
@@ -316,9 +357,9 @@ enum Mode {
 /// `contents` is what a read found in the sets (then every table is
 /// planned whole and its sets diffed against it). Otherwise a table is
 /// planned from its changes alone when its hooks did not change
-/// ([`changes::cheap`], or [`changes::shaped`] where chains came, went or
-/// were pointed elsewhere; the table that holds every set is planned
-/// whole then, and when it must take a set): at 50,000 rules a whole plan
+/// ([`changes::cheap`], also where chains came, went or were pointed
+/// elsewhere; the table that holds every set is planned whole then, and
+/// when it must take a set): at 50,000 rules a whole plan
 /// walks every chain, and most tables, most of the time, change by a few
 /// rules or members or not at all.
 pub fn plan(
@@ -348,11 +389,7 @@ pub fn plan(
             if whole_only || t.reshaped || t.all_sets {
                 return None;
             }
-            if t.regraphed {
-                changes::shaped(family, n, t, sets, obs)
-            } else {
-                changes::cheap(family, n, t, sets, obs)
-            }
+            changes::cheap(family, n, t, sets, obs)
         })
         .collect();
     let mut reaches: Vec<Option<HashSet<&str>>> = tables

@@ -230,34 +230,8 @@ impl TableCtx<'_> {
             }
             let rkey = (table.clone(), s.to_string());
             if !here {
-                st.sets.push(Op::AddSet {
-                    family,
-                    table: table.clone(),
-                    set: s.to_string(),
-                    key: k,
-                    interval,
-                });
-                if interval {
-                    let r = ranges(&d.members);
-                    if !r.is_empty() {
-                        st.sets.push(Op::AddRanges {
-                            family,
-                            table: table.clone(),
-                            set: s.to_string(),
-                            ranges: r.clone(),
-                        });
-                    }
+                if let Some(r) = push_new_set(&mut st.sets, family, &table, s, d, (k, interval)) {
                     ranges_out.insert(rkey, r);
-                } else {
-                    let keys: Vec<Key> = d.members.iter().filter_map(key).collect();
-                    if !keys.is_empty() {
-                        st.sets.push(Op::AddElements {
-                            family,
-                            table: table.clone(),
-                            set: s.to_string(),
-                            elements: keys,
-                        });
-                    }
                 }
             } else {
                 self.set_update(s, interval, st, ranges_out)?;

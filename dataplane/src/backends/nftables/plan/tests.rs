@@ -74,6 +74,17 @@ fn state() -> (Vec<ChainTable>, DesiredSets) {
     (vec![t], s)
 }
 
+/// A dispatch chain's rules: each `(interface, c)` to `dph-fw-<c>`, then
+/// a drop.
+fn dispatch(entries: &[(&str, &str)]) -> Vec<Rule> {
+    let mut rules: Vec<Rule> = entries
+        .iter()
+        .map(|(i, c)| r(&format!("-i {i} -g dph-fw-{c}")))
+        .collect();
+    rules.push(r("-j DROP"));
+    rules
+}
+
 fn names(ops: &[Op]) -> Vec<String> {
     ops.iter().map(super::super::ops::describe).collect()
 }
@@ -166,14 +177,6 @@ fn dispatch_maps_are_made_patched_and_repaired_in_order() {
     for c in ["dph-fw-cali1", "dph-fw-cali2"] {
         t.set_chain(c, vec![r("-j ACCEPT")]).unwrap();
     }
-    let dispatch = |entries: &[(&str, &str)]| {
-        let mut rules: Vec<Rule> = entries
-            .iter()
-            .map(|(i, c)| r(&format!("-i {i} -g dph-fw-{c}")))
-            .collect();
-        rules.push(r("-j DROP"));
-        rules
-    };
     t.set_chain(
         "dph-from-wl-dispatch",
         dispatch(&[("cali1", "cali1"), ("cali2", "cali2")]),
@@ -607,14 +610,6 @@ fn chains_that_come_and_go_are_planned_from_the_changes() {
         .unwrap();
     t.set_chain("dph-fw-2", vec![r("-j dph-pi-x"), r("-j ACCEPT")])
         .unwrap();
-    let dispatch = |entries: &[(&str, &str)]| {
-        let mut rules: Vec<Rule> = entries
-            .iter()
-            .map(|(i, c)| r(&format!("-i {i} -g dph-fw-{c}")))
-            .collect();
-        rules.push(r("-j DROP"));
-        rules
-    };
     t.set_chain("dph-d", dispatch(&[("cali1", "1"), ("cali2", "2")]))
         .unwrap();
     t.set_hooks("FORWARD", vec![r("-j dph-d")]).unwrap();
