@@ -103,16 +103,13 @@ pub(super) fn cheap(
         return None;
     }
     for name in gone {
-        out.flushes.push(Op::FlushChain {
+        super::push_chain_removal(
+            &mut out.flushes,
+            &mut out.chain_removals,
             family,
-            table: table.to_string(),
-            chain: name.to_string(),
-        });
-        out.chain_removals.push(Op::DestroyChain {
-            family,
-            table: table.to_string(),
-            chain: name.to_string(),
-        });
+            table,
+            name,
+        );
         out.patches.push(Patch::ChainGone(name.to_string()));
     }
     Some(out)

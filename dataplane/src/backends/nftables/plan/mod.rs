@@ -258,6 +258,28 @@ fn push_new_set(
     None
 }
 
+/// Chain `chain` of `table` no longer wanted: emptied with the flushes
+/// (a rule in it may jump to another chain removed), removed after the
+/// rules are written and the map elements that went to it are gone.
+fn push_chain_removal(
+    flushes: &mut Vec<Op>,
+    removals: &mut Vec<Op>,
+    family: Family,
+    table: &str,
+    chain: &str,
+) {
+    flushes.push(Op::FlushChain {
+        family,
+        table: table.to_string(),
+        chain: chain.to_string(),
+    });
+    removals.push(Op::DestroyChain {
+        family,
+        table: table.to_string(),
+        chain: chain.to_string(),
+    });
+}
+
 /// The ops that remove `del` from and add `add` to hash set `set` of
 /// `table`.
 fn push_elements(

@@ -203,16 +203,13 @@ impl TableCtx<'_> {
         // to another), removed after the rules are written.
         for name in obs.chains.keys() {
             if !after.chains.contains_key(name) {
-                st.flushes.push(Op::FlushChain {
+                push_chain_removal(
+                    &mut st.flushes,
+                    &mut st.chain_removals,
                     family,
-                    table: table.clone(),
-                    chain: name.clone(),
-                });
-                st.chain_removals.push(Op::DestroyChain {
-                    family,
-                    table: table.clone(),
-                    chain: name.clone(),
-                });
+                    &table,
+                    name,
+                );
             }
         }
 
