@@ -242,7 +242,7 @@ fn add_set(
 /// The element ops that bring the sets table `table` holds (`obs`) to
 /// their members, by the uncommitted deltas; `None` when one is to be
 /// written whole.
-fn members(
+pub(super) fn members(
     family: Family,
     table: &str,
     obs: &ObservedTable,

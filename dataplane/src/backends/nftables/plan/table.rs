@@ -320,7 +320,10 @@ impl TableCtx<'_> {
             }
             after.sets.insert(name.to_string(), map_info(name));
         }
-        for (s, o) in &obs.sets {
+        // In name order, so a plan is the same ops every time.
+        let mut held: Vec<(&String, &SetInfo)> = obs.sets.iter().collect();
+        held.sort_unstable_by_key(|(s, _)| *s);
+        for (s, o) in held {
             if !after.sets.contains_key(s) {
                 // A map's entries hold the chains they go to: it goes
                 // before any chain is removed (the rule that looked it up

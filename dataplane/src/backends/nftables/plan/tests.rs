@@ -497,7 +497,11 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
     let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
     committed(&mut tables, &mut sets);
     let observed = p.after;
-    let held = |o: &Observed, t: &str| o[t].sets.keys().cloned().collect::<Vec<_>>();
+    let held = |o: &Observed, t: &str| {
+        let mut v: Vec<String> = o[t].sets.keys().cloned().collect();
+        v.sort();
+        v
+    };
     assert_eq!(held(&observed, "dph-filter"), ["dph40b"]);
     assert_eq!(held(&observed, "dph-filter-0"), ["dph40a"]);
 
@@ -518,6 +522,11 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
         ]
     );
     assert!(cheap(&c, "dph-filter") && cheap(&c, "dph-filter-0"));
+    // Planned as members alone: no table named, the same ops as every
+    // table planned from its changes.
+    assert!(c.tables.is_empty());
+    let by_tables = plan_tables(Family::Ip, "dph-", &refs(&tables), &sets, &observed, None);
+    assert_eq!(by_tables.unwrap().ops, c.ops);
     committed(&mut tables, &mut sets);
 
     // A new set no rule uses: filter takes it.
@@ -753,4 +762,63 @@ fn chains_that_come_and_go_are_planned_from_the_changes() {
             < at("removing chain dph-filter-0/dph-fw-2")
     );
     as_whole(&tables, &sets, &c.after);
+}
+
+/// The plan of members alone is taken only when members alone changed:
+/// not after a read, with a chain changed, a set to be written whole or
+/// removed, or a table of ours the dataplane no longer has.
+#[test]
+fn members_alone_are_planned_only_when_nothing_else_changed() {
+    let (mut tables, mut sets) = state();
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    let observed = p.after;
+    let alone = |tables: &[ChainTable], sets: &DesiredSets, observed: &Observed, c| {
+        members_only(Family::Ip, "dph-", &refs(tables), sets, observed, c).is_some()
+    };
+    sets.delta(
+        "dph40s",
+        &mut [ip("10.0.0.2")].into_iter(),
+        &mut std::iter::empty(),
+    );
+    assert!(alone(&tables, &sets, &observed, None));
+    let read = Contents::new();
+    assert!(!alone(&tables, &sets, &observed, Some(&read)));
+
+    let mut more = observed.clone();
+    more.insert("dph-old".into(), ObservedTable::default());
+    assert!(!alone(&tables, &sets, &more, None));
+
+    // A table with nothing in it is not programmed, and needs nothing.
+    let mut with_raw = tables.clone();
+    with_raw.push(ChainTable::new("raw", IpVersion::V4, Ownership::new("dph")));
+    with_raw[1].changed = false;
+    assert!(alone(&with_raw, &sets, &observed, None));
+    // One with chains that is not programmed (removed by hand and not
+    // read back yet) takes the table's plan.
+    with_raw[1]
+        .set_hooks("PREROUTING", vec![r("-j DROP")])
+        .unwrap();
+    with_raw[1].changed = false;
+    assert!(!alone(&with_raw, &sets, &observed, None));
+
+    let mut changed = tables.clone();
+    changed[0].set_chain("dph-b", vec![r("-j DROP")]).unwrap();
+    assert!(!alone(&changed, &sets, &observed, None));
+
+    sets.removed_any = true;
+    assert!(!alone(&tables, &sets, &observed, None));
+    sets.removed_any = false;
+    assert!(alone(&tables, &sets, &observed, None));
+
+    // A set of another type is written whole.
+    sets.replace(
+        "dph40s".into(),
+        Meta {
+            set_type: IpSetType::Net,
+            maxelem: 10,
+        },
+        [ip("10.0.0.9")].into(),
+    );
+    assert!(!alone(&tables, &sets, &observed, None));
 }
