@@ -454,7 +454,11 @@ impl Dataplane for DataplaneService {
             watchers: u32::try_from(self.conn.events.receiver_count()).unwrap_or(u32::MAX),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             last_error: s.last_error.unwrap_or_default(),
-            details: s.details.into_iter().collect(),
+            details: s
+                .details
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
         }))
     }
 }

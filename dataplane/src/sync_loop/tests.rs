@@ -600,3 +600,40 @@ async fn a_new_object_over_the_kind_limit_is_rejected_and_the_rest_goes_on() {
         "the refused one reached no manager"
     );
 }
+
+/// The apply summary's quantiles are the nearest-rank ones over the last
+/// [`ApplyTimes::KEEP`] applies, whatever order they came in.
+#[test]
+fn the_apply_summary_takes_the_quantiles_of_the_last_applies() {
+    let mut t = ApplyTimes::default();
+    assert_eq!(t.summary().p50, Duration::ZERO);
+    assert_eq!(t.summary().samples, 0);
+    // 1..=100 ms, shuffled.
+    for i in 0..100u64 {
+        t.record(Duration::from_millis(1 + (i * 37) % 100));
+    }
+    let s = t.summary();
+    assert_eq!(
+        (s.p50, s.p99, s.max, s.samples),
+        (
+            Duration::from_millis(50),
+            Duration::from_millis(99),
+            Duration::from_millis(100),
+            100
+        )
+    );
+    assert_eq!(s.histogram[0], 1, "one apply took at most 1 ms");
+    // Only the last KEEP count: 1,000 more of 1 s push the others out.
+    for _ in 0..ApplyTimes::KEEP {
+        t.record(Duration::from_secs(1));
+    }
+    let s = t.summary();
+    assert_eq!(
+        (s.p50, s.max, s.samples),
+        (
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            ApplyTimes::KEEP
+        )
+    );
+}
