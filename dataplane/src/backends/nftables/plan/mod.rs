@@ -386,7 +386,8 @@ enum Mode {
 /// elsewhere; the table that holds every set is planned whole then, and
 /// when it must take a set): at 50,000 rules a whole plan
 /// walks every chain, and most tables, most of the time, change by a few
-/// rules or members or not at all.
+/// rules or members or not at all. Where IP-set members alone changed,
+/// the commit is their elements alone ([`members_only`]).
 pub fn plan(
     family: Family,
     chain_prefix: &str,
