@@ -22,7 +22,8 @@ use super::chains::ChainTable;
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{Family, Op};
 use super::plan::{
-    Content, Contents, Observed, ObservedChain, ObservedTable, Patch, PlanError, TableAfter, plan,
+    Content, Contents, Input, Observed, ObservedChain, ObservedTable, Patch, PlanError, TableAfter,
+    plan,
 };
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
@@ -543,14 +544,14 @@ impl Backend for Dataplane {
             })?;
         let p = loop {
             let observed = self.observed.as_ref().expect("read above");
-            let planned = plan(
+            let planned = plan(Input {
                 family,
-                &self.own.chain_prefix,
-                &self.chain_tables(),
-                &self.sets,
+                chain_prefix: &self.own.chain_prefix,
+                tables: &self.chain_tables(),
+                sets: &self.sets,
                 observed,
-                self.contents.as_ref(),
-            );
+                contents: self.contents.as_ref(),
+            });
             match planned {
                 Ok(p) => break p,
                 Err(PlanError::NeedRead { .. }) if self.contents.is_none() => self.read()?,

@@ -379,8 +379,7 @@ enum Mode {
 }
 
 /// Plans one commit for all of `tables` (one IP version, `family`).
-/// `contents` is what a read found in the sets (then every table is
-/// planned whole and its sets diffed against it). Otherwise a table is
+/// After a read (`contents`) every table is planned whole. Otherwise a table is
 /// planned from its changes alone when its hooks did not change
 /// ([`changes::cheap`], also where chains came, went or were pointed
 /// elsewhere; the table that holds every set is planned whole then, and
@@ -388,29 +387,39 @@ enum Mode {
 /// walks every chain, and most tables, most of the time, change by a few
 /// rules or members or not at all. Where IP-set members alone changed,
 /// the commit is their elements alone ([`members_only`]).
-pub fn plan(
-    family: Family,
-    chain_prefix: &str,
-    tables: &[&ChainTable],
-    sets: &DesiredSets,
-    observed: &Observed,
-    contents: Option<&Contents>,
-) -> Result<Plan, PlanError> {
-    match members_only(family, chain_prefix, tables, sets, observed, contents) {
+pub fn plan(input: Input<'_>) -> Result<Plan, PlanError> {
+    match members_only(input) {
         Some(p) => Ok(p),
-        None => plan_tables(family, chain_prefix, tables, sets, observed, contents),
+        None => plan_tables(input),
     }
 }
 
+/// What one commit is planned from.
+#[derive(Debug, Clone, Copy)]
+pub struct Input<'a> {
+    /// The IP version's family.
+    pub family: Family,
+    pub chain_prefix: &'a str,
+    /// Every table of ours that the dataplane has.
+    pub tables: &'a [&'a ChainTable],
+    pub sets: &'a DesiredSets,
+    /// What the kernel holds, as last read or written.
+    pub observed: &'a Observed,
+    /// What a read found in the sets: then every table is planned whole
+    /// and its sets diffed against it.
+    pub contents: Option<&'a Contents>,
+}
+
 /// [`plan`], table by table.
-fn plan_tables(
-    family: Family,
-    chain_prefix: &str,
-    tables: &[&ChainTable],
-    sets: &DesiredSets,
-    observed: &Observed,
-    contents: Option<&Contents>,
-) -> Result<Plan, PlanError> {
+fn plan_tables(input: Input<'_>) -> Result<Plan, PlanError> {
+    let Input {
+        family,
+        chain_prefix,
+        tables,
+        sets,
+        observed,
+        contents,
+    } = input;
     let mut st = Stages::default();
     let mut out = Plan::default();
     let names: Vec<String> = tables
@@ -608,17 +617,11 @@ fn plan_tables(
 /// tables' (at the default shards) bookkeeping: the common case, a
 /// member added. `None` when anything else changed, a table of ours is
 /// not one of `tables`, or a set is to be written whole.
-fn members_only(
-    family: Family,
-    chain_prefix: &str,
-    tables: &[&ChainTable],
-    sets: &DesiredSets,
-    observed: &Observed,
-    contents: Option<&Contents>,
-) -> Option<Plan> {
-    let members_alone = contents.is_none()
+fn members_only(input: Input<'_>) -> Option<Plan> {
+    let (sets, observed) = (input.sets, input.observed);
+    let members_alone = input.contents.is_none()
         && !sets.removed_any
-        && tables.iter().all(|t| !t.changed)
+        && input.tables.iter().all(|t| !t.changed)
         && sets
             .changes
             .values()
@@ -629,12 +632,12 @@ fn members_only(
     let mut out = Plan::default();
     let mut elements = changes::Cheap::default();
     let mut ours = 0;
-    for t in tables {
-        let name = table_name(chain_prefix, t.table());
+    for t in input.tables {
+        let name = table_name(input.chain_prefix, t.table());
         match observed.get(&name) {
             Some(obs) => {
                 ours += 1;
-                changes::members(family, &name, obs, sets, &mut elements)?;
+                changes::members(input.family, &name, obs, sets, &mut elements)?;
             }
             // Not programmed, and nothing to program (raw and mangle
             // without host endpoint policy).

@@ -14,7 +14,7 @@ fn plan_v4(
     observed: &Observed,
     contents: Option<&Contents>,
 ) -> Result<Planned, PlanError> {
-    let p = plan(Family::Ip, "dph-", &refs(tables), sets, observed, contents)?;
+    let p = plan(input(&refs(tables), sets, observed, contents))?;
     let Plan {
         ops,
         tables,
@@ -29,6 +29,23 @@ fn plan_v4(
     }
     .apply_to(&mut after, &mut written);
     Ok(Planned { ops, tables, after })
+}
+
+/// The plan's input for IPv4 tables with our prefix.
+fn input<'a>(
+    tables: &'a [&'a ChainTable],
+    sets: &'a DesiredSets,
+    observed: &'a Observed,
+    contents: Option<&'a Contents>,
+) -> Input<'a> {
+    Input {
+        family: Family::Ip,
+        chain_prefix: "dph-",
+        tables,
+        sets,
+        observed,
+        contents,
+    }
 }
 
 /// Whether table `t` was planned from its changes alone.
@@ -525,7 +542,7 @@ fn the_spare_sets_table_takes_new_unused_sets_and_only_those() {
     // Planned as members alone: no table named, the same ops as every
     // table planned from its changes.
     assert!(c.tables.is_empty());
-    let by_tables = plan_tables(Family::Ip, "dph-", &refs(&tables), &sets, &observed, None);
+    let by_tables = plan_tables(input(&refs(&tables), &sets, &observed, None));
     assert_eq!(by_tables.unwrap().ops, c.ops);
     committed(&mut tables, &mut sets);
 
@@ -774,7 +791,7 @@ fn members_alone_are_planned_only_when_nothing_else_changed() {
     committed(&mut tables, &mut sets);
     let observed = p.after;
     let alone = |tables: &[ChainTable], sets: &DesiredSets, observed: &Observed, c| {
-        members_only(Family::Ip, "dph-", &refs(tables), sets, observed, c).is_some()
+        members_only(input(&refs(tables), sets, observed, c)).is_some()
     };
     sets.delta(
         "dph40s",
