@@ -220,7 +220,7 @@ fn push_ranges(
     }
 }
 
-/// The ops that make IP set `set` of `table` (kind `key`, an interval
+/// The ops that make IP set `set` of `table` (key type `k`, an interval
 /// set or not) with every member of `d`; an interval set's ranges.
 fn push_new_set(
     out: &mut Vec<Op>,
