@@ -782,3 +782,87 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     }
     Ok(())
 }
+
+/// A read while another agent's commits add and remove chains (of a table
+/// listed before ours: the kernel's chain dump walks the whole family, so
+/// each change shifts where a dump goes on) sees each of our chains once:
+/// a dump the kernel flags as interrupted is made again, never taken.
+#[test]
+fn a_dump_interrupted_by_commits_is_made_again() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftintr")?;
+    ns.within(|| -> Result<()> {
+        let t = |s: &str| s.to_string();
+        let mut writer = NftNetlink::open()?;
+        let mut reader = NftNetlink::open()?;
+        let mut ops = vec![
+            Op::AddTable {
+                family: Family::Ip,
+                table: t("aaa-other"),
+            },
+            Op::AddTable {
+                family: Family::Ip,
+                table: t("dph-many"),
+            },
+        ];
+        const CHAINS: usize = 3000;
+        ops.extend((0..CHAINS).map(|i| Op::AddChain {
+            family: Family::Ip,
+            table: t("dph-many"),
+            chain: format!("dph-c{i:05}"),
+            base: None,
+        }));
+        writer.commit(&ops)?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let stop = stop.clone();
+            std::thread::spawn(move || -> Result<u32> {
+                let mut n = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let chain = format!("x{}", n % 50);
+                    let op = if n % 100 < 50 {
+                        Op::AddChain {
+                            family: Family::Ip,
+                            table: "aaa-other".into(),
+                            chain,
+                            base: None,
+                        }
+                    } else {
+                        Op::DestroyChain {
+                            family: Family::Ip,
+                            table: "aaa-other".into(),
+                            chain,
+                        }
+                    };
+                    writer.commit(&[op])?;
+                    n += 1;
+                    // Thousands a second: several in each dump of ours.
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                Ok(n)
+            })
+        };
+        let (mut whole, mut given_up) = (0, 0);
+        for _ in 0..40 {
+            match reader.chains(Family::Ip, "dph-many") {
+                Ok(chains) => {
+                    let names: BTreeSet<String> = chains.iter().map(|c| c.name.clone()).collect();
+                    assert_eq!(chains.len(), CHAINS, "a chain skipped or seen twice");
+                    assert_eq!(names.len(), CHAINS);
+                    whole += 1;
+                }
+                Err(NftError::Interrupted { .. }) => given_up += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let commits = churn.join().expect("churn thread")?;
+        eprintln!("{whole} reads whole, {given_up} given up, {commits} commits beside them");
+        assert!(commits > 100, "the other agent committed throughout");
+        // Once the commits stop, a read gets through.
+        assert_eq!(reader.chains(Family::Ip, "dph-many")?.len(), CHAINS);
+        Ok(())
+    })
+}

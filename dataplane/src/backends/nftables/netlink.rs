@@ -96,6 +96,61 @@ pub enum NftError {
     },
     #[error("nf_tables: {0}")]
     Protocol(String),
+    /// Commits (ours or another agent's) kept changing what a dump walks;
+    /// a later read can succeed.
+    #[error("nf_tables dump interrupted by commits {tries} times in a row")]
+    Interrupted { tries: usize },
+}
+
+/// How often a dump that commits interrupted is made again before the
+/// read fails (and is tried again later).
+const DUMP_TRIES: usize = 5;
+
+/// The replies to one dump request, as they come.
+#[derive(Debug)]
+struct Dump {
+    seq: u32,
+    out: Vec<Vec<u8>>,
+    interrupted: bool,
+}
+
+impl Dump {
+    fn new(seq: u32) -> Self {
+        Self {
+            seq,
+            out: Vec::new(),
+            interrupted: false,
+        }
+    }
+
+    /// Takes in one datagram; once the dump is done, its data messages
+    /// (`None` inside: a commit interrupted it) or the kernel's error.
+    fn take(&mut self, buf: &[u8]) -> Option<Result<Option<Vec<Vec<u8>>>, NftError>> {
+        for m in messages(buf) {
+            if m.seq != self.seq {
+                continue; // a reply to an earlier request
+            }
+            self.interrupted |= m.flags & NLM_F_DUMP_INTR != 0;
+            match m.ty {
+                NLMSG_DONE => {
+                    let out = std::mem::take(&mut self.out);
+                    return Some(Ok((!self.interrupted).then_some(out)));
+                }
+                NLMSG_ERROR => {
+                    let code = m
+                        .payload
+                        .get(..4)
+                        .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                    return Some(Err(NftError::Io(io::Error::from_raw_os_error(-code))));
+                }
+                // Past the nfgenmsg.
+                _ => self
+                    .out
+                    .push(m.payload.get(4..).unwrap_or_default().to_vec()),
+            }
+        }
+        None
+    }
 }
 
 /// Set elements: (key, is an interval end).
@@ -445,7 +500,10 @@ impl NftNetlink {
                 Err(e) => return Err(NftError::Io(e)),
             };
             let mut done = false;
-            for (ty, seq, payload) in messages(&buf) {
+            for Message {
+                ty, seq, payload, ..
+            } in messages(&buf)
+            {
                 let i = seq.wrapping_sub(first) as usize;
                 if ty != NLMSG_ERROR || i >= of_seq.len() {
                     continue; // not a reply, or an earlier commit's late one
@@ -475,8 +533,27 @@ impl NftNetlink {
         }
     }
 
-    /// A dump: every data message's attributes.
+    /// A dump: every data message's attributes. One that a commit
+    /// interrupted (the kernel flags its messages `NLM_F_DUMP_INTR`: an
+    /// object added or removed meanwhile shifts where the dump goes on,
+    /// so one could be skipped or seen twice) is made again, up to
+    /// [`DUMP_TRIES`] times.
     fn dump(&mut self, ty: u16, family: Family, a: &[u8]) -> Result<Vec<Vec<u8>>, NftError> {
+        for _ in 0..DUMP_TRIES {
+            if let Some(out) = self.dump_once(ty, family, a)? {
+                return Ok(out);
+            }
+        }
+        Err(NftError::Interrupted { tries: DUMP_TRIES })
+    }
+
+    /// One dump; `None` if a commit interrupted it.
+    fn dump_once(
+        &mut self,
+        ty: u16,
+        family: Family,
+        a: &[u8],
+    ) -> Result<Option<Vec<Vec<u8>>>, NftError> {
         let seq = self.next_seq();
         let m = message(
             (NFNL_SUBSYS_NFTABLES << 8) | ty,
@@ -487,24 +564,11 @@ impl NftNetlink {
             a,
         );
         self.sock.send(&m, 0).map_err(NftError::Io)?;
-        let mut out = Vec::new();
+        let mut dump = Dump::new(seq);
         loop {
             let (buf, _) = self.sock.recv_from_full().map_err(NftError::Io)?;
-            for (t, s, payload) in messages(&buf) {
-                if s != seq {
-                    continue;
-                }
-                match t {
-                    NLMSG_DONE => return Ok(out),
-                    NLMSG_ERROR => {
-                        let code = payload
-                            .get(..4)
-                            .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                        return Err(NftError::Io(io::Error::from_raw_os_error(-code)));
-                    }
-                    // Past the nfgenmsg.
-                    _ => out.push(payload.get(4..).unwrap_or_default().to_vec()),
-                }
+            if let Some(done) = dump.take(&buf) {
+                return done;
             }
         }
     }
@@ -742,4 +806,61 @@ fn comment_of(mut udata: &[u8]) -> String {
         udata = &udata[2 + len..];
     }
     String::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data message of dump `seq` carrying `payload`, flagged `flags`.
+    fn data(seq: u32, flags: u16, payload: &[u8]) -> Vec<u8> {
+        message(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN,
+            flags,
+            seq,
+            2,
+            0,
+            payload,
+        )
+    }
+
+    fn done(seq: u32, flags: u16) -> Vec<u8> {
+        message(NLMSG_DONE, flags, seq, 0, 0, &[])
+    }
+
+    /// A dump's data comes back once it is done, across datagrams; replies
+    /// to another request are skipped.
+    #[test]
+    fn a_dump_gathers_its_messages_until_done() {
+        let mut d = Dump::new(7);
+        let first = [data(6, 0, &[9; 4]), data(7, 0, &[1; 4])].concat();
+        assert!(d.take(&first).is_none());
+        let last = [data(7, 0, &[2; 4]), done(7, 0)].concat();
+        let out = d.take(&last).unwrap().unwrap().unwrap();
+        assert_eq!(out, [vec![1; 4], vec![2; 4]]);
+    }
+
+    /// A dump a commit interrupted (one message flagged, or only the last)
+    /// is reported as such, to be made again, not taken as what the kernel
+    /// holds.
+    #[test]
+    fn an_interrupted_dump_is_not_taken() {
+        let mut d = Dump::new(3);
+        assert!(d.take(&data(3, NLM_F_DUMP_INTR, &[1; 4])).is_none());
+        assert!(d.take(&done(3, 0)).unwrap().unwrap().is_none());
+
+        let mut d = Dump::new(4);
+        let all = [data(4, 0, &[1; 4]), done(4, NLM_F_DUMP_INTR)].concat();
+        assert!(d.take(&all).unwrap().unwrap().is_none());
+
+        // The flag on another request's message does not count.
+        let mut d = Dump::new(5);
+        let all = [
+            data(4, NLM_F_DUMP_INTR, &[1; 4]),
+            data(5, 0, &[2; 4]),
+            done(5, 0),
+        ]
+        .concat();
+        assert_eq!(d.take(&all).unwrap().unwrap().unwrap(), [vec![2; 4]]);
+    }
 }

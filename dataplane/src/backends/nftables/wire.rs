@@ -6,6 +6,8 @@ pub(super) const NLMSG_ERROR: u16 = 2;
 pub(super) const NLMSG_DONE: u16 = 3;
 pub(super) const NLM_F_REQUEST: u16 = 0x1;
 pub(super) const NLM_F_ACK: u16 = 0x4;
+/// A dump's message sent after a commit changed what it walks.
+pub(super) const NLM_F_DUMP_INTR: u16 = 0x10;
 pub(super) const NLM_F_DUMP: u16 = 0x300;
 pub(super) const NLM_F_CREATE: u16 = 0x400;
 pub(super) const NLA_F_NESTED: u16 = 0x8000;
@@ -92,17 +94,32 @@ pub(super) fn be_u32(p: &[u8]) -> u32 {
         .map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
 }
 
-/// (type, seq, payload) of each message in a datagram.
-pub(super) fn messages(mut b: &[u8]) -> Vec<(u16, u32, &[u8])> {
+/// One message of a datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Message<'a> {
+    pub ty: u16,
+    pub flags: u16,
+    pub seq: u32,
+    pub payload: &'a [u8],
+}
+
+/// Each message in a datagram.
+pub(super) fn messages(mut b: &[u8]) -> Vec<Message<'_>> {
     let mut out = Vec::new();
     while b.len() >= 16 {
         let len = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as usize;
         let ty = u16::from_ne_bytes([b[4], b[5]]);
+        let flags = u16::from_ne_bytes([b[6], b[7]]);
         let seq = u32::from_ne_bytes([b[8], b[9], b[10], b[11]]);
         if len < 16 || len > b.len() {
             break;
         }
-        out.push((ty, seq, &b[16..len]));
+        out.push(Message {
+            ty,
+            flags,
+            seq,
+            payload: &b[16..len],
+        });
         b = &b[len.next_multiple_of(4).min(b.len())..];
     }
     out
@@ -132,8 +149,13 @@ mod tests {
         assert_eq!(m.len(), 24);
         let msgs = messages(&m);
         assert_eq!(msgs.len(), 1);
-        let (ty, seq, payload) = msgs[0];
-        assert_eq!((ty, seq), (0x0a00, 7));
+        let Message {
+            ty,
+            flags,
+            seq,
+            payload,
+        } = msgs[0];
+        assert_eq!((ty, flags, seq), (0x0a00, NLM_F_REQUEST, 7));
         assert_eq!(payload, [2, 0, 0, 0, 1, 2, 3, 4]);
     }
 }
