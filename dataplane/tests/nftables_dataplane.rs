@@ -218,16 +218,19 @@ fn chains_and_sets_are_programmed_adopted_repaired_and_removed() -> Result<()> {
     apply(&mut d)?;
     // The read runs on its own thread (its own socket, opened in the
     // namespace with the first); the repair comes with the apply after it.
+    // Each table is taken in as it is read.
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while d.reading() && !d.is_dirty(Phase::Tables) {
+    while d.reading() {
         ensure!(
             std::time::Instant::now() < until,
             "the refresh read never finished"
         );
-        std::thread::sleep(std::time::Duration::from_millis(5));
+        if d.is_dirty(Phase::Tables) {
+            apply(&mut d)?;
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
-    apply(&mut d)?;
-    ensure!(!d.reading(), "the read was taken in");
     let repaired = nft(&["list", "table", "ip", "dph-filter"])?;
     ensure!(
         repaired.contains("ip saddr @dph40blocked counter packets 0 bytes 0 drop")
@@ -280,6 +283,70 @@ fn chains_and_sets_are_programmed_adopted_repaired_and_removed() -> Result<()> {
     ensure!(
         foreign()? == before,
         "the foreign table and iptables rules changed"
+    );
+    Ok(())
+}
+
+/// A refresh while members are written without a pause (each commit
+/// touches filter's set): both tables are read beside the commits and
+/// what was changed in them by hand put back, filter's set taken as the
+/// commits wrote it. Nothing is read in the apply but the first read.
+#[test]
+fn a_refresh_under_churn_repairs_without_reading_in_the_apply() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftchurn")?;
+    let nft = |args: &[&str]| ns.exec(&[&["nft"][..], args].concat());
+    let mut d = open(&ns)?;
+    want(&mut d);
+    apply(&mut d)?;
+    ensure!(d.reads_in_apply() == 1, "the first read");
+    // Enough members that filter's read takes a while (~0.2 s).
+    let many = (0..30_000u32).map(|i| Member::Ip(std::net::Ipv4Addr::from(0x0a64_0000 + i).into()));
+    d.set_store_mut().delta(
+        "dph40blocked",
+        &mut many.into_iter(),
+        &mut std::iter::empty(),
+    );
+    apply(&mut d)?;
+    std::thread::sleep(std::time::Duration::from_secs(1)); // the set's table grown
+    nft(&["flush", "chain", "ip", "dph-nat", "dph-nat-outgoing"])?;
+    nft(&["flush", "chain", "ip", "dph-filter", "dph-fw"])?;
+    d.request_resync(Refresh::Iptables);
+    let (mut n, mut slowest) = (0u32, std::time::Duration::ZERO);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while d.reading() || n == 0 {
+        ensure!(
+            std::time::Instant::now() < until,
+            "the refresh read never finished"
+        );
+        n += 1;
+        let member = ip(&format!("10.1.{}.{}", n / 250, n % 250));
+        d.set_store_mut().delta(
+            "dph40blocked",
+            &mut std::iter::once(member),
+            &mut std::iter::empty(),
+        );
+        let started = std::time::Instant::now();
+        apply(&mut d)?;
+        slowest = slowest.max(started.elapsed());
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let nat = nft(&["list", "chain", "ip", "dph-nat", "dph-nat-outgoing"])?;
+    ensure!(nat.contains("masquerade"), "nat put back: {nat}");
+    let fw = nft(&["list", "chain", "ip", "dph-filter", "dph-fw"])?;
+    ensure!(fw.contains("@dph40blocked"), "filter put back: {fw}");
+    ensure!(
+        d.reads_in_apply() == 1,
+        "no read in the apply ({} reads)",
+        d.reads_in_apply()
+    );
+    eprintln!("{n} members written during the refresh; slowest apply {slowest:?}");
+    let set = nft(&["list", "set", "ip", "dph-filter", "dph40blocked"])?;
+    ensure!(
+        set.contains("10.1.0.1,") || set.contains("10.1.0.1 "),
+        "{set}"
     );
     Ok(())
 }

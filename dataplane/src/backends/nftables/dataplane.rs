@@ -5,14 +5,23 @@
 //! read back at start (adopting what a previous run left: nothing is
 //! written where it already matches, so a restart has no gap), after a
 //! failed commit, and on every refresh tick (what was changed by hand is
-//! put back). The refresh reads run on a thread of their own, over a
-//! second socket ([`NetlinkKernel`]): at 30,000 chains and 1M elements a
-//! read takes seconds, which the applies go on spending on the calc
-//! graph's messages. A read that a commit overtook is not trusted (it may
-//! have seen half of it): it is read again, and after three overtaken
-//! reads in a row the next apply reads in place (so constant churn cannot
-//! put a repair off for ever).
+//! put back).
+//!
+//! The refresh reads run on a thread of their own, over a second socket
+//! ([`NetlinkKernel`]), table by table ([`super::read`]): at 30,000
+//! chains and 1M elements a read of all takes seconds, which the applies
+//! go on spending on the calc graph's messages. Each table read is taken
+//! as it comes in, with the chains and sets a commit of ours touched
+//! since its read began taken as written rather than as read (it may
+//! have seen half of the commit; [`super::read::patch_read`]). A table
+//! made or removed meanwhile, or whose read failed, is read again, alone,
+//! up to four rounds a refresh (`MAX_ROUNDS`); one still unread is left to the
+//! next refresh, and after three refreshes in a row (`MAX_MISSED`) it is read
+//! in the apply (a stall of one table's read, not of all). A table taken
+//! is planned whole against what was read; the others go on from their
+//! changes.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -21,10 +30,8 @@ use tracing::{debug, info, instrument, warn};
 use super::chains::ChainTable;
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{Family, Op};
-use super::plan::{
-    Content, Contents, Input, Observed, ObservedChain, ObservedTable, Patch, PlanError, TableAfter,
-    plan,
-};
+use super::plan::{Contents, Input, Observed, ObservedTable, Patch, PlanError, TableAfter, plan};
+use super::read::{Gate, Object, SharedReader, TableRead, TableReader, patch_read, read_all};
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
 use crate::backends::desired::{RuleTable, SetStore};
@@ -42,14 +49,15 @@ const NAME_V6: &str = "nftables-v6";
 
 /// How often a read running on its own thread is looked for.
 const READ_POLL: Duration = Duration::from_millis(50);
-/// Refresh reads a commit may overtake in a row before one is made in
-/// place.
-const MAX_OVERTAKEN: u32 = 3;
+/// Rounds of a refresh read: the first reads every table, each other the
+/// tables the round before could not take (made or removed while read,
+/// or a read that failed).
+const MAX_ROUNDS: u32 = 4;
+/// Refreshes in a row that may leave a table unread before one reads it
+/// in the apply.
+const MAX_MISSED: u32 = 3;
 
-/// A read of our tables that can run on another thread.
-pub type DetachedRead = Box<dyn FnOnce() -> Result<(Observed, Contents), NftError> + Send>;
-
-/// The kernel side: commits and reads. [`NftNetlink`] in the daemon.
+/// The kernel side: commits and reads. [`NetlinkKernel`] in the daemon.
 pub trait NftKernel: Send + std::fmt::Debug {
     fn commit(&mut self, ops: &[Op]) -> Result<(), NftError>;
     /// Our tables (named `<chain_prefix>…`) of `family`, and what their
@@ -59,9 +67,9 @@ pub trait NftKernel: Send + std::fmt::Debug {
         family: Family,
         chain_prefix: &str,
     ) -> Result<(Observed, Contents), NftError>;
-    /// The same read, to run on another thread while commits go on (None:
-    /// reads block the apply).
-    fn detached_read(&self, _family: Family, _chain_prefix: &str) -> Option<DetachedRead> {
+    /// A reader of single tables, to run on another thread while commits
+    /// go on (None: reads block the apply).
+    fn reader(&self) -> Option<Box<dyn TableReader>> {
         None
     }
 }
@@ -94,18 +102,11 @@ impl NftKernel for NetlinkKernel {
         family: Family,
         chain_prefix: &str,
     ) -> Result<(Observed, Contents), NftError> {
-        NftKernel::read(&mut self.writer, family, chain_prefix)
+        read_all(&mut self.writer, family, chain_prefix)
     }
 
-    fn detached_read(&self, family: Family, chain_prefix: &str) -> Option<DetachedRead> {
-        let reader = Arc::clone(&self.reader);
-        let prefix = chain_prefix.to_owned();
-        Some(Box::new(move || {
-            // A read that panicked poisons the lock; the socket is still
-            // good (each dump skips replies to an earlier sequence).
-            let mut r = reader.lock().unwrap_or_else(PoisonError::into_inner);
-            NftKernel::read(&mut *r, family, &prefix)
-        }))
+    fn reader(&self) -> Option<Box<dyn TableReader>> {
+        Some(Box::new(SharedReader(Arc::clone(&self.reader))))
     }
 }
 
@@ -119,66 +120,32 @@ impl NftKernel for NftNetlink {
         family: Family,
         chain_prefix: &str,
     ) -> Result<(Observed, Contents), NftError> {
-        let mut observed = Observed::new();
-        let mut contents = Contents::new();
-        for table in self.tables(family)? {
-            if !table.starts_with(chain_prefix) {
-                continue;
-            }
-            let mut t = ObservedTable::default();
-            // Chain by chain: a whole-table rule dump is quadratic in the
-            // kernel (see `NftNetlink::rules`).
-            for c in self.chains(family, &table)? {
-                let rules: Vec<String> = self
-                    .chain_rules(family, &table, &c.name)?
-                    .into_iter()
-                    .filter(|r| r.chain == c.name)
-                    .map(|r| r.comment)
-                    .collect();
-                t.chains.insert(
-                    c.name,
-                    ObservedChain {
-                        hook: c.hook,
-                        comments: rules.into(),
-                    },
-                );
-            }
-            for s in self.sets(family, &table)? {
-                let content = if s.key_len == 2 {
-                    Content::Intervals(self.raw_elements(family, &table, &s.name)?)
-                } else if s.flags & 0x4 != 0 {
-                    Content::Ranges(self.ranges(family, &table, &s.name)?)
-                } else {
-                    // A 16-byte key parses as an IPv6 address; a map's
-                    // interface names are taken back as such (same bytes).
-                    let ifname = |k: super::ops::Key| match k {
-                        super::ops::Key::Addr(std::net::IpAddr::V6(a)) => {
-                            super::ops::Key::IfName(a.octets())
-                        }
-                        k => k,
-                    };
-                    if s.key_type == super::ops::TYPE_IFNAME {
-                        // A dispatch map: each interface and the chain it
-                        // goes to.
-                        let entries = self.verdicts(family, &table, &s.name)?;
-                        let keys = entries.iter().map(|(k, _)| ifname(*k)).collect();
-                        let by_name = entries
-                            .into_iter()
-                            .filter_map(|(k, c)| Some((ifname(k).as_ifname()?, c)))
-                            .collect();
-                        t.maps.insert(s.name.clone(), by_name);
-                        Content::Keys(keys)
-                    } else {
-                        let keys = self.elements(family, &table, &s.name)?.into_iter();
-                        Content::Keys(keys.collect())
-                    }
-                };
-                contents.insert((table.clone(), s.name.clone()), content);
-                t.sets.insert(s.name.clone(), s);
-            }
-            observed.insert(table, t);
-        }
-        Ok((observed, contents))
+        read_all(self, family, chain_prefix)
+    }
+}
+
+/// A table's read as it came back from the refresh's thread.
+struct Found {
+    name: String,
+    read: Result<(u64, TableRead), NftError>,
+}
+
+/// The refresh read under way: one round of it.
+struct Refreshing {
+    job: BackgroundRead<()>,
+    /// The tables read so far and not yet taken in.
+    found: Arc<Mutex<Vec<Found>>>,
+    round: u32,
+    /// Tables to read again in the next round.
+    again: Vec<String>,
+}
+
+impl std::fmt::Debug for Refreshing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refreshing")
+            .field("round", &self.round)
+            .field("again", &self.again)
+            .finish_non_exhaustive()
     }
 }
 
@@ -197,15 +164,19 @@ pub struct Dataplane {
     contents: Option<Contents>,
     /// A refresh tick asked for a read.
     refresh_due: bool,
-    /// The refresh read running on its own thread, and how many commits
-    /// had been tried when it began.
-    background: Option<BackgroundRead<(Observed, Contents)>>,
-    /// Commits tried (a read begun before the last one may be stale).
-    attempts: u64,
+    /// The refresh read running on its own thread.
+    refresh: Option<Refreshing>,
+    /// Numbers the commits; the refresh reads run between two.
+    gate: Arc<Gate>,
+    /// While a refresh reads: per table, each object a commit touched,
+    /// and the number of the last that did.
+    touched: HashMap<String, HashMap<Object, u64>>,
+    /// Tables the refreshes left unread, and how many in a row.
+    missed: HashMap<String, u32>,
     /// The first read's shard placement taken over.
     adopted: bool,
-    /// Refresh reads overtaken by a commit in a row.
-    overtaken: u32,
+    /// Reads of all our tables made in the apply.
+    reads_in_apply: u64,
     commits: u64,
     /// Those that added rules: the kernel validated them by walking the
     /// table (set elements alone are not walked).
@@ -278,11 +249,14 @@ impl Counts {
 fn count(observed: &Observed) -> std::collections::BTreeMap<String, (usize, usize, usize)> {
     observed
         .iter()
-        .map(|(name, t)| {
-            let rules = t.chains.values().map(|c| c.comments.len()).sum();
-            (name.clone(), (t.chains.len(), rules, t.sets.len()))
-        })
+        .map(|(name, t)| (name.clone(), count_table(t)))
         .collect()
+}
+
+/// (chains, rules, sets) of one table.
+fn count_table(t: &ObservedTable) -> (usize, usize, usize) {
+    let rules = t.chains.values().map(|c| c.comments.len()).sum();
+    (t.chains.len(), rules, t.sets.len())
 }
 
 /// How many of our IP sets some table of `observed` holds (port lists
@@ -320,10 +294,12 @@ impl Dataplane {
             observed: None,
             contents: None,
             refresh_due: false,
-            background: None,
-            attempts: 0,
+            refresh: None,
+            gate: Arc::default(),
+            touched: HashMap::new(),
+            missed: HashMap::new(),
             adopted: false,
-            overtaken: 0,
+            reads_in_apply: 0,
             commits: 0,
             validating: 0,
             exported: std::sync::atomic::AtomicU64::new(0),
@@ -362,69 +338,202 @@ impl Dataplane {
 
     /// A refresh read is running on its own thread.
     pub fn reading(&self) -> bool {
-        self.background.is_some()
+        self.refresh.is_some()
     }
 
     /// Starts the refresh read: on its own thread where the kernel allows
     /// and there is something to compare it with; else in this apply.
+    /// Tables the refreshes before left unread [`MAX_MISSED`] times are
+    /// read here, in the apply.
     fn start_read(&mut self) {
-        if self.background.is_some() {
-            return; // one at a time; a finished one is collected first
+        if self.refresh.is_some() {
+            return; // one at a time
         }
-        let job = self.observed.as_ref().and_then(|_| {
-            self.kernel
-                .detached_read(self.family(), &self.own.chain_prefix)
-        });
-        let Some(job) = job else {
+        let reader = self.observed.as_ref().and_then(|_| self.kernel.reader());
+        let Some(mut reader) = reader else {
             self.observed = None;
             return;
         };
-        let backend = self.name();
-        debug!(backend, "refresh read started");
-        self.background = Some(BackgroundRead::spawn(self.attempts, move || {
-            job().map_err(|source| BackendError::Nftables { backend, source })
-        }));
+        let due: Vec<String> = self
+            .missed
+            .iter()
+            .filter(|(_, n)| **n >= MAX_MISSED)
+            .map(|(t, _)| t.clone())
+            .collect();
+        for name in &due {
+            // No commit runs meanwhile: the read is taken as it is.
+            match reader.read_table(self.family(), name, &self.gate) {
+                Ok((_, read)) => {
+                    info!(table = %name, "table refreshes left unread read in the apply");
+                    self.missed.remove(name);
+                    self.take_table(name.clone(), read);
+                }
+                Err(e) => warn!(table = %name, error = %e, "table read failed"),
+            }
+        }
+        if !due.is_empty() {
+            self.held_sets = held(self.observed.as_ref().expect("checked"), &self.sets);
+        }
+        let known: Vec<String> = self
+            .observed
+            .iter()
+            .flat_map(|o| o.keys())
+            .filter(|t| !due.contains(t))
+            .cloned()
+            .collect();
+        debug!(backend = self.name(), "refresh read started");
+        self.spawn_round(1, reader, known, Some(due));
     }
 
-    /// Takes in a finished refresh read: adopted when no commit was tried
-    /// since it began (the next plan is a full one against it: what was
-    /// changed by hand is put back); read again otherwise.
-    fn collect_read(&mut self) {
-        if !self
-            .background
-            .as_ref()
-            .is_some_and(BackgroundRead::is_finished)
-        {
+    /// Round `round` of the refresh read: tables `names` (and, with
+    /// `all_but`, every other table of ours but those) read on a thread
+    /// of its own, each handed over as it is done.
+    fn spawn_round(
+        &mut self,
+        round: u32,
+        mut reader: Box<dyn TableReader>,
+        mut names: Vec<String>,
+        all_but: Option<Vec<String>>,
+    ) {
+        let found: Arc<Mutex<Vec<Found>>> = Arc::default();
+        let (family, prefix, gate) = (
+            self.family(),
+            self.own.chain_prefix.clone(),
+            Arc::clone(&self.gate),
+        );
+        let backend = self.name();
+        let out = Arc::clone(&found);
+        self.touched.clear();
+        let job = BackgroundRead::spawn(0, move || {
+            if let Some(skip) = all_but {
+                let listed = reader
+                    .our_tables(family, &prefix)
+                    .map_err(|source| BackendError::Nftables { backend, source })?;
+                for t in listed {
+                    if !names.contains(&t) && !skip.contains(&t) {
+                        names.push(t);
+                    }
+                }
+            }
+            for name in names {
+                let read = reader.read_table(family, &name, &gate);
+                out.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(Found { name, read });
+            }
+            Ok(())
+        });
+        self.refresh = Some(Refreshing {
+            job,
+            found,
+            round,
+            again: Vec::new(),
+        });
+    }
+
+    /// Takes in the tables the refresh read has read so far: each that no
+    /// commit touched since its read began (the next plan writes it whole
+    /// against it: what was changed by hand is put back); the others are
+    /// read again once the round is done.
+    fn collect_reads(&mut self) {
+        let Some(r) = self.refresh.as_mut() else {
+            return;
+        };
+        // Finished first: what it found before it finished is all there.
+        let finished = r.job.is_finished();
+        let found = std::mem::take(&mut *r.found.lock().unwrap_or_else(PoisonError::into_inner));
+        let mut took = Vec::new();
+        for Found { name, read } in found {
+            match read {
+                Ok((began, read)) => {
+                    let touched: Vec<&Object> = self
+                        .touched
+                        .get(&name)
+                        .into_iter()
+                        .flatten()
+                        .filter(|(_, n)| **n > began)
+                        .map(|(o, _)| o)
+                        .collect();
+                    let written = self.observed.as_ref().and_then(|o| o.get(&name));
+                    match patch_read(&name, read, &touched, written) {
+                        Some(read) => {
+                            if !touched.is_empty() {
+                                debug!(table = %name, objects = touched.len(), "taken with what commits touched meanwhile as written");
+                            }
+                            took.push((name, read));
+                        }
+                        None => {
+                            debug!(table = %name, round = r.round, "table made or removed while read: read again");
+                            r.again.push(name);
+                        }
+                    }
+                }
+                Err(e) => {
+                    debug!(table = %name, error = %e, "table read failed: read again");
+                    r.again.push(name);
+                }
+            }
+        }
+        if self.observed.is_none() {
+            took.clear(); // read in place anyway
+        }
+        if !took.is_empty() {
+            debug!(tables = ?took.iter().map(|(n, _)| n).collect::<Vec<_>>(), "refresh read taken");
+            for (name, read) in took {
+                self.missed.remove(&name);
+                self.take_table(name, read);
+            }
+            self.held_sets = held(self.observed.as_ref().expect("checked"), &self.sets);
+        }
+        if !finished {
             return;
         }
-        let b = self.background.take().expect("checked above");
-        let began = b.writes;
-        match b.join(self.name()) {
-            Ok(_) if self.observed.is_none() => {} // read in place anyway
-            Ok((observed, contents)) if began == self.attempts => {
-                debug!(tables = observed.len(), "refresh read adopted");
-                self.overtaken = 0;
-                self.counts.replace(count(&observed));
-                self.held_sets = held(&observed, &self.sets);
-                self.observed = Some(observed);
-                self.contents = Some(contents);
+        let r = self.refresh.take().expect("checked above");
+        let (round, mut again) = (r.round, r.again);
+        if let Err(e) = r.job.join(self.name()) {
+            // Our tables could not be listed: the round is made again.
+            warn!(error = %e, "refresh read failed");
+            again = self
+                .observed
+                .iter()
+                .flat_map(|o| o.keys())
+                .cloned()
+                .collect();
+        }
+        if again.is_empty() {
+            debug!(rounds = round, "refresh read done");
+            return;
+        }
+        match self.kernel.reader() {
+            Some(reader) if round < MAX_ROUNDS && self.observed.is_some() => {
+                self.spawn_round(round + 1, reader, again, None);
             }
-            Ok(_) if self.overtaken < MAX_OVERTAKEN => {
-                self.overtaken += 1;
-                debug!(
-                    overtaken = self.overtaken,
-                    "refresh read overtaken by a commit: read again"
-                );
-                self.start_read();
+            _ => {
+                for t in &again {
+                    *self.missed.entry(t.clone()).or_default() += 1;
+                }
+                info!(tables = ?again, rounds = round, "tables left unread to the next refresh");
             }
-            Ok(_) => {
-                debug!("refresh reads keep being overtaken: reading in the apply");
-                self.overtaken = 0;
-                self.observed = None;
+        }
+    }
+
+    /// Takes table `name` as read: what it holds, and its sets' contents
+    /// for the next plan (which writes it whole against them).
+    fn take_table(&mut self, name: String, read: TableRead) {
+        let Some(observed) = self.observed.as_mut() else {
+            return;
+        };
+        let contents = self.contents.get_or_insert_with(Contents::new);
+        contents.tables.insert(name.clone());
+        match read {
+            Some((table, sets)) => {
+                contents.extend(sets);
+                self.counts.set(name.clone(), Some(count_table(&table)));
+                observed.insert(name, table);
             }
-            Err(e) => {
-                warn!(error = %e, "refresh read failed: reading in the apply");
-                self.observed = None;
+            None => {
+                self.counts.set(name.clone(), None);
+                observed.remove(&name);
             }
         }
     }
@@ -443,6 +552,13 @@ impl Dataplane {
     /// Commits that changed something, since start.
     pub fn commits(&self) -> u64 {
         self.commits
+    }
+
+    /// Reads of all our tables made in the apply (at start, after a
+    /// refused commit, or when a set to write whole was not read), since
+    /// start. The refresh reads beside the applies.
+    pub fn reads_in_apply(&self) -> u64 {
+        self.reads_in_apply
     }
 
     /// Our tables as last read or written.
@@ -468,8 +584,29 @@ impl Dataplane {
         }
     }
 
+    /// Notes the tables commit `number` (`ops`) touched, for the refresh
+    /// read under way.
+    fn log_touched(&mut self, number: u64, ops: &[Op]) {
+        let mut last: Option<(&str, Object)> = None;
+        for op in ops {
+            let (table, object) = (op.table(), Object::of(op));
+            if last
+                .as_ref()
+                .is_some_and(|(t, o)| *t == table && *o == object)
+            {
+                continue; // a chain's rules, one after another
+            }
+            self.touched
+                .entry(table.to_string())
+                .or_default()
+                .insert(object.clone(), number);
+            last = Some((table, object));
+        }
+    }
+
     fn read(&mut self) -> Result<(), BackendError> {
         let started = Instant::now();
+        self.reads_in_apply += 1;
         let (observed, contents) = self
             .kernel
             .read(self.family(), &self.own.chain_prefix)
@@ -500,10 +637,14 @@ impl Backend for Dataplane {
             || self.refresh_due
             || self.sets.changed
             || self.tables_changed()
-            || self
-                .background
-                .as_ref()
-                .is_some_and(BackgroundRead::is_finished)
+            || self.refresh.as_ref().is_some_and(|r| {
+                r.job.is_finished()
+                    || !r
+                        .found
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .is_empty()
+            })
     }
 
     fn request_resync(&mut self, refresh: Refresh) {
@@ -513,17 +654,19 @@ impl Backend for Dataplane {
     }
 
     fn wake_after(&self) -> Option<Duration> {
-        self.background.as_ref().map(|_| READ_POLL)
+        self.refresh.as_ref().map(|_| READ_POLL)
     }
 
     #[instrument(skip_all, fields(backend = self.name()))]
     fn apply(&mut self, _phase: Phase) -> Result<ApplyOutcome, BackendError> {
-        self.collect_read();
+        self.collect_reads();
         if std::mem::take(&mut self.refresh_due) {
             self.start_read();
         }
+        let mut read_whole = false;
         if self.observed.is_none() {
             self.read()?;
+            read_whole = true;
         }
         if self.contents.is_none() && !self.sets.changed && !self.tables_changed() {
             return Ok(ApplyOutcome::default()); // a read under way, nothing else
@@ -554,7 +697,12 @@ impl Backend for Dataplane {
             });
             match planned {
                 Ok(p) => break p,
-                Err(PlanError::NeedRead { .. }) if self.contents.is_none() => self.read()?,
+                // A set to write whole whose table was not read: read
+                // them all.
+                Err(PlanError::NeedRead { .. }) if !read_whole => {
+                    self.read()?;
+                    read_whole = true;
+                }
                 Err(e) => {
                     return Err(BackendError::Inconsistent {
                         backend: self.name(),
@@ -573,10 +721,16 @@ impl Backend for Dataplane {
         );
         let started = Instant::now();
         let n = p.ops.len();
-        if n > 0 {
-            self.attempts += 1;
-        }
-        if let Err(e) = self.kernel.commit(&p.ops) {
+        let committed = if n > 0 {
+            let (number, committed) = self.gate.commit(|| self.kernel.commit(&p.ops));
+            if self.refresh.is_some() {
+                self.log_touched(number, &p.ops);
+            }
+            committed
+        } else {
+            Ok(())
+        };
+        if let Err(e) = committed {
             warn!(error = %e, ops = n, "nftables commit refused; reading back");
             self.observed = None;
             self.contents = None;
@@ -694,22 +848,27 @@ impl Dataplane {
 mod tests {
     use std::sync::mpsc;
 
+    use super::super::ops::Key;
+    use super::super::plan::Content;
     use super::*;
     use crate::backends::ipsets::Meta;
     use crate::backends::iptables::Rule;
     use crate::model::ipsets::{IpSetType, Member};
 
-    /// Commits are recorded and make what the kernel holds; the refresh
-    /// reads on other threads wait for a go each and return what the
-    /// kernel held when they were let go.
+    /// Commits are recorded (what the kernel holds is set by the test);
+    /// each table the refresh reads on another thread is read when the
+    /// test lets it go, as the kernel holds it then.
     #[derive(Debug)]
     struct Fake {
-        commits: Arc<Mutex<Vec<usize>>>,
+        commits: Arc<Mutex<Vec<Vec<Op>>>>,
         /// Commits still to refuse.
         refuse: Arc<Mutex<u32>>,
         held: Arc<Mutex<(Observed, Contents)>>,
         go: Arc<Mutex<mpsc::Receiver<()>>>,
-        detached: Arc<Mutex<u32>>,
+        /// How many table reads have begun.
+        begun: Arc<Mutex<usize>>,
+        /// Reads of filter still to fail.
+        fail: Arc<Mutex<u32>>,
     }
 
     impl NftKernel for Fake {
@@ -722,68 +881,121 @@ mod tests {
                     source: std::io::Error::from_raw_os_error(12),
                 });
             }
-            self.commits.lock().unwrap().push(ops.len());
+            self.commits.lock().unwrap().push(ops.to_vec());
             Ok(())
         }
         fn read(&mut self, _: Family, _: &str) -> Result<(Observed, Contents), NftError> {
             Ok(self.held.lock().unwrap().clone())
         }
-        fn detached_read(&self, _: Family, _: &str) -> Option<DetachedRead> {
-            *self.detached.lock().unwrap() += 1;
-            let (go, held) = (Arc::clone(&self.go), Arc::clone(&self.held));
-            Some(Box::new(move || {
-                go.lock().unwrap().recv().expect("a go");
-                Ok(held.lock().unwrap().clone())
+        fn reader(&self) -> Option<Box<dyn TableReader>> {
+            Some(Box::new(FakeReader {
+                held: Arc::clone(&self.held),
+                go: Arc::clone(&self.go),
+                begun: Arc::clone(&self.begun),
+                fail: Arc::clone(&self.fail),
             }))
         }
     }
 
+    struct FakeReader {
+        held: Arc<Mutex<(Observed, Contents)>>,
+        go: Arc<Mutex<mpsc::Receiver<()>>>,
+        begun: Arc<Mutex<usize>>,
+        fail: Arc<Mutex<u32>>,
+    }
+
+    impl TableReader for FakeReader {
+        fn our_tables(&mut self, _: Family, _: &str) -> Result<Vec<String>, NftError> {
+            Ok(self.held.lock().unwrap().0.keys().cloned().collect())
+        }
+        fn read_table(
+            &mut self,
+            _: Family,
+            name: &str,
+            gate: &Gate,
+        ) -> Result<(u64, TableRead), NftError> {
+            let mut fail = self.fail.lock().unwrap();
+            if name == "dph-filter" && *fail > 0 {
+                *fail -= 1;
+                return Err(NftError::Interrupted { tries: 5 });
+            }
+            drop(fail);
+            let began = gate.last();
+            *self.begun.lock().unwrap() += 1;
+            self.go.lock().unwrap().recv().expect("a go");
+            let (observed, contents) = &*self.held.lock().unwrap();
+            let read = observed.get(name).map(|t| {
+                let sets = contents
+                    .sets
+                    .iter()
+                    .filter(|((table, _), _)| table == name)
+                    .map(|(k, c)| (k.clone(), c.clone()));
+                let mut c: Contents = sets.collect();
+                c.tables.insert(name.to_string());
+                (t.clone(), c)
+            });
+            Ok((began, read))
+        }
+    }
+
+    /// Waits for the round of the refresh read to finish.
     fn finish(d: &Dataplane) {
         let until = Instant::now() + Duration::from_secs(5);
-        while !d
-            .background
-            .as_ref()
-            .is_some_and(BackgroundRead::is_finished)
-        {
+        while !d.refresh.as_ref().is_some_and(|r| r.job.is_finished()) {
             assert!(Instant::now() < until, "the read never finished");
             std::thread::sleep(Duration::from_millis(1));
         }
     }
 
-    /// A refresh read does not hold up the applies; one a commit overtook
-    /// is read again, and the one adopted repairs what it found.
-    #[test]
-    fn refresh_reads_run_beside_the_applies() {
-        let (tx, rx) = mpsc::channel();
-        let commits = Arc::new(Mutex::new(Vec::new()));
-        let detached = Arc::new(Mutex::new(0));
-        let held = Arc::new(Mutex::new((Observed::new(), Contents::new())));
-        let fake = Fake {
-            commits: Arc::clone(&commits),
-            refuse: Arc::default(),
-            held: Arc::clone(&held),
-            go: Arc::new(Mutex::new(rx)),
-            detached: Arc::clone(&detached),
-        };
-        let names = SetNames::new("dph").unwrap();
+    /// Waits until `n` table reads have begun (their commit number taken).
+    fn begun(fake: &Arc<Mutex<usize>>, n: usize) {
+        let until = Instant::now() + Duration::from_secs(5);
+        while *fake.lock().unwrap() < n {
+            assert!(Instant::now() < until, "no table read began");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Waits until the refresh read has handed over a table.
+    fn handed_over(d: &Dataplane) {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !d.is_dirty(Phase::Tables) {
+            assert!(Instant::now() < until, "no table read came back");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The tables each commit since the `from`th touched.
+    fn tables_of(commits: &Mutex<Vec<Vec<Op>>>, from: usize) -> Vec<Vec<String>> {
+        commits.lock().unwrap()[from..]
+            .iter()
+            .map(|ops| {
+                let mut t: Vec<String> = ops.iter().map(|o| o.table().to_string()).collect();
+                t.dedup();
+                t
+            })
+            .collect()
+    }
+
+    /// filter (a chain looking up dph40s) and nat (masquerade), written
+    /// once; the kernel then holds what was written.
+    fn two_tables(fake: Fake) -> Dataplane {
+        let held = Arc::clone(&fake.held);
         let mut d = Dataplane::new(
             IpVersion::V4,
             "dph",
-            names,
+            SetNames::new("dph").unwrap(),
             ShardLayout::default(),
             Box::new(fake),
         );
-        let filter = &mut d.filter;
-        filter
-            .set_chain(
-                "dph-a",
-                vec![Rule::parse("-m set --match-set dph40s src -j DROP").unwrap()],
-            )
+        let r = |s: &str| Rule::parse(s).unwrap();
+        d.filter
+            .set_chain("dph-a", vec![r("-m set --match-set dph40s src -j DROP")])
             .unwrap();
-        filter
-            .set_hooks("FORWARD", vec![Rule::parse("-j dph-a").unwrap()])
-            .unwrap();
-        let ip = |s: &str| Member::Ip(s.parse().unwrap());
+        d.filter.set_hooks("FORWARD", vec![r("-j dph-a")]).unwrap();
+        let nat = d.tables.iter_mut().find(|t| t.table() == "nat").unwrap();
+        nat.set_chain("dph-nat", vec![r("-j MASQUERADE")]).unwrap();
+        nat.set_hooks("POSTROUTING", vec![r("-j dph-nat")]).unwrap();
         let meta = Meta {
             set_type: IpSetType::Ip,
             maxelem: 10,
@@ -791,12 +1003,68 @@ mod tests {
         d.sets
             .replace("dph40s".into(), meta, [ip("10.0.0.1")].into());
         d.apply(Phase::Tables).unwrap();
+        let written = d.observed.clone().unwrap();
+        assert_eq!(
+            written.keys().collect::<Vec<_>>(),
+            ["dph-filter", "dph-nat"]
+        );
+        let contents: Contents = [(
+            ("dph-filter".to_string(), "dph40s".to_string()),
+            Content::Keys([Key::Addr("10.0.0.1".parse().unwrap())].into()),
+        )]
+        .into();
+        *held.lock().unwrap() = (written, contents);
+        d
+    }
+
+    fn ip(s: &str) -> Member {
+        Member::Ip(s.parse().unwrap())
+    }
+
+    /// A member of dph40s added and written.
+    fn member(d: &mut Dataplane, a: &str) {
+        d.sets
+            .delta("dph40s", &mut [ip(a)].into_iter(), &mut std::iter::empty());
+        d.apply(Phase::Tables).unwrap();
+    }
+
+    fn fake(commits: &Arc<Mutex<Vec<Vec<Op>>>>) -> (Fake, mpsc::Sender<()>) {
+        let (tx, rx) = mpsc::channel();
+        let fake = Fake {
+            commits: Arc::clone(commits),
+            refuse: Arc::default(),
+            held: Arc::default(),
+            go: Arc::new(Mutex::new(rx)),
+            begun: Arc::default(),
+            fail: Arc::default(),
+        };
+        (fake, tx)
+    }
+
+    /// A refresh read does not hold up the applies, and reads table by
+    /// table; each table is taken as it comes in and what was changed by
+    /// hand in it put back, by a commit of that table alone, except in
+    /// what a commit touched while it was read (a set a member went
+    /// into), which is taken as written and looked at again by the next
+    /// refresh.
+    #[test]
+    fn refresh_reads_run_beside_the_applies_table_by_table() {
+        let commits = Arc::default();
+        let (fake, go) = fake(&commits);
+        let (held, reads) = (Arc::clone(&fake.held), Arc::clone(&fake.begun));
+        let mut d = two_tables(fake);
         assert_eq!(
             commits.lock().unwrap().len(),
             1,
             "the first apply writes it all"
         );
         let written = d.observed.clone().unwrap();
+        let ops_of = |i: usize| -> Vec<String> {
+            commits.lock().unwrap()[i]
+                .iter()
+                .map(super::super::ops::describe)
+                .collect()
+        };
 
         // The refresh: the read starts and the apply returns at once.
         d.request_resync(Refresh::Iptables);
@@ -805,72 +1073,121 @@ mod tests {
         assert!(d.reading() && d.wake_after() == Some(READ_POLL));
         assert!(
             !d.is_dirty(Phase::Tables),
-            "nothing to do until the read is done"
+            "nothing to do until a table is read"
         );
-        // A member meanwhile is written at once (and overtakes the read).
-        d.sets.delta(
-            "dph40s",
-            &mut [ip("10.0.0.2")].into_iter(),
-            &mut std::iter::empty(),
-        );
-        d.apply(Phase::Tables).unwrap();
-        assert_eq!(commits.lock().unwrap().len(), 2);
 
-        // The overtaken read is dropped and a new one started.
-        tx.send(()).unwrap();
+        // Both tables' chains emptied by hand.
+        {
+            let (observed, _) = &mut *held.lock().unwrap();
+            for (t, c) in [("dph-filter", "dph-a"), ("dph-nat", "dph-nat")] {
+                let chain = observed.get_mut(t).unwrap().chains.get_mut(c).unwrap();
+                chain.comments = Vec::new().into();
+            }
+        }
+        // filter is being read (the reader waits for a go): a member
+        // meanwhile is written at once (the read, which will not hold it,
+        // may have seen half of that commit).
+        begun(&reads, 1);
+        member(&mut d, "10.0.0.2");
+        assert_eq!(tables_of(&commits, 1), [["dph-filter"]]);
+        go.send(()).unwrap();
+        handed_over(&d);
+        d.apply(Phase::Tables).unwrap();
+        // filter is taken: its chain put back; its set, which the member
+        // touched, taken as written (not emptied of the member).
+        assert_eq!(tables_of(&commits, 2), [["dph-filter"]]);
+        let ops = ops_of(2);
+        assert!(
+            ops.contains(&"flushing chain dph-filter/dph-a".to_string()),
+            "{ops:?}"
+        );
+        assert!(!ops.iter().any(|o| o.contains("dph40s")), "{ops:?}");
+
+        // nat, read with no commit beside it, is taken and put back too;
+        // the refresh is done in one round.
+        begun(&reads, 2);
+        go.send(()).unwrap();
         finish(&d);
-        assert!(d.is_dirty(Phase::Tables));
         d.apply(Phase::Tables).unwrap();
-        assert!(d.reading(), "read again");
-        assert_eq!(*detached.lock().unwrap(), 2);
-        assert_eq!(
-            commits.lock().unwrap().len(),
-            2,
-            "nothing written on a stale read"
-        );
+        assert_eq!(tables_of(&commits, 3), [["dph-nat"]]);
+        assert!(!d.reading(), "done");
+        assert_eq!(d.observed.as_ref().unwrap(), &written);
+        assert!(d.missed.is_empty());
 
-        // The kernel lost our tables meanwhile (a hand flush): the read
-        // that no commit overtook is adopted, and what it found missing
-        // is put back.
-        *held.lock().unwrap() = (Observed::new(), Contents::new());
-        tx.send(()).unwrap();
+        // The next refresh, with no commit beside it, looks at the set
+        // again: the kernel lacks the member, which is put back.
+        {
+            let (observed, _) = &mut *held.lock().unwrap();
+            *observed = written.clone();
+        }
+        d.request_resync(Refresh::IpSets);
+        d.apply(Phase::Tables).unwrap();
+        go.send(()).unwrap();
+        go.send(()).unwrap();
         finish(&d);
         d.apply(Phase::Tables).unwrap();
         assert!(!d.reading());
-        assert_eq!(commits.lock().unwrap().len(), 3, "repaired");
-        assert_eq!(d.observed.as_ref().map(|o| o.len()), Some(written.len()));
+        assert_eq!(ops_of(4), ["adding 1 elements to dph-filter/dph40s"]);
+        assert_eq!(commits.lock().unwrap().len(), 5);
+    }
 
-        // Reads that commits keep overtaking give way to one in place.
-        for n in 0..=MAX_OVERTAKEN {
-            if n == 0 {
-                d.request_resync(Refresh::IpSets);
+    /// A table whose read fails in every round of a refresh is left to
+    /// the next refresh; after [`MAX_MISSED`] refreshes in a row it is
+    /// read in the apply (and what was changed in it put back).
+    #[test]
+    fn a_table_refreshes_leave_unread_is_read_in_the_apply_at_last() {
+        let commits = Arc::default();
+        let (fake, go) = fake(&commits);
+        let held = Arc::clone(&fake.held);
+        *fake.fail.lock().unwrap() = MAX_MISSED * MAX_ROUNDS;
+        let mut d = two_tables(fake);
+        {
+            let (observed, _) = &mut *held.lock().unwrap();
+            let chain = observed
+                .get_mut("dph-filter")
+                .unwrap()
+                .chains
+                .get_mut("dph-a")
+                .unwrap();
+            chain.comments = Vec::new().into();
+        }
+        for refresh in 1..=MAX_MISSED {
+            d.request_resync(Refresh::IpSets);
+            d.apply(Phase::Tables).unwrap();
+            for round in 1..=MAX_ROUNDS {
+                // filter's read fails at once; in the first round nat is
+                // read after it.
+                if round == 1 {
+                    go.send(()).unwrap();
+                }
+                finish(&d);
                 d.apply(Phase::Tables).unwrap();
             }
-            d.sets.delta(
-                "dph40s",
-                &mut [ip(&format!("10.0.1.{n}"))].into_iter(),
-                &mut std::iter::empty(),
-            );
-            d.apply(Phase::Tables).unwrap();
-            tx.send(()).unwrap();
-            finish(&d);
-            d.apply(Phase::Tables).unwrap();
+            assert!(!d.reading());
+            assert_eq!(d.missed.get("dph-filter"), Some(&refresh), "left");
+            assert!(!d.missed.contains_key("dph-nat"));
         }
-        assert!(!d.reading(), "the last one was read in place");
+        assert_eq!(commits.lock().unwrap().len(), 1, "nothing written");
+        // The next refresh reads filter in the apply (the reader goes at
+        // once) and puts its chain back; the round on the thread reads nat.
+        go.send(()).unwrap();
+        d.request_resync(Refresh::IpSets);
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(tables_of(&commits, 1), [["dph-filter"]]);
+        assert!(d.missed.is_empty());
+        go.send(()).unwrap();
+        finish(&d);
+        d.apply(Phase::Tables).unwrap();
+        assert!(!d.reading());
+        assert_eq!(commits.lock().unwrap().len(), 2, "nat was as written");
     }
 
     /// An IPv4 dataplane over a [`Fake`] that records its commits in
     /// `commits` and refuses the first `refuse`; the sender lets its
     /// detached reads go.
-    fn unsharded(commits: Arc<Mutex<Vec<usize>>>, refuse: u32) -> (Dataplane, mpsc::Sender<()>) {
-        let (tx, rx) = mpsc::channel();
-        let fake = Fake {
-            commits,
-            refuse: Arc::new(Mutex::new(refuse)),
-            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
-            go: Arc::new(Mutex::new(rx)),
-            detached: Arc::default(),
-        };
+    fn unsharded(commits: Arc<Mutex<Vec<Vec<Op>>>>, refuse: u32) -> (Dataplane, mpsc::Sender<()>) {
+        let (mut fake, tx) = fake(&commits);
+        fake.refuse = Arc::new(Mutex::new(refuse));
         let d = Dataplane::new(
             IpVersion::V4,
             "dph",
@@ -991,13 +1308,7 @@ mod tests {
     /// chain more, whole), and the sets held count it.
     #[test]
     fn a_set_a_shard_takes_from_its_changes_is_counted_held() {
-        let fake = Fake {
-            commits: Arc::default(),
-            refuse: Arc::default(),
-            held: Arc::new(Mutex::new((Observed::new(), Contents::new()))),
-            go: Arc::new(Mutex::new(mpsc::channel().1)),
-            detached: Arc::default(),
-        };
+        let (fake, _go) = fake(&Arc::default());
         let mut d = Dataplane::new(
             IpVersion::V4,
             "dph",

@@ -13,6 +13,9 @@
 //! - [`plan`]: desired and observed in, one commit out; each table
 //!   planned whole or from its changes alone.
 //! - [`dataplane`]: the backend (read back, plan, commit, adopt, repair).
+//! - [`read`]: our tables read back, all at once or table by table beside
+//!   the commits (the refresh), and how a table's read is taken in while
+//!   commits go on.
 //! - [`netlink`], [`ops`], [`expr`], [`intervals`] and `wire`: the nf_tables
 //!   messages, tested against the kernel (`tests/nftables_netns.rs`,
 //!   `tests/nftables_dataplane.rs`).
@@ -27,7 +30,8 @@
 //! nothing). On the refresh tick (`--iptables-refresh-seconds`,
 //! `--ipset-refresh-seconds`) they are read again and what was changed by
 //! hand is put back; those reads run on a thread of their own over a
-//! second socket, beside the applies ([`dataplane`]). With `--dataplane
+//! second socket, beside the applies, table by table, each taken in with
+//! what our commits touched meanwhile as they wrote it ([`read`]). With `--dataplane
 //! iptables` the daemon removes these tables once its own are in, and the
 //! other way round ([`super::cleanup`]).
 //!
@@ -103,7 +107,7 @@
 //! made (with any IP set their rules look up that the table lacks, whole)
 //! and those they no longer reach removed. A table is planned whole
 //! (`plan/table.rs`: every chain its hooks reach, every set it holds)
-//! when its hooks changed, after a read, and for filter (which holds every
+//! when its hooks changed, after a read of it, and for filter (which holds every
 //! set no shard uses) when a chain of it came or went. A set that only
 //! removed chains looked up stays in a shard until its next whole plan
 //! (at the latest after the next refresh read): its members cost an
@@ -140,6 +144,7 @@ pub mod intervals;
 pub mod netlink;
 pub mod ops;
 pub mod plan;
+pub mod read;
 pub mod sets;
 pub mod shards;
 pub mod translate;

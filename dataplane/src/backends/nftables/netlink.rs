@@ -12,6 +12,7 @@
 //! bytes are the `wire` module's. Maps come with the policy layout (see the
 //! module above).
 
+use std::collections::BTreeMap;
 use std::io;
 use std::time::Duration;
 
@@ -106,6 +107,13 @@ pub enum NftError {
 /// read fails (and is tried again later).
 const DUMP_TRIES: usize = 5;
 
+/// The receive buffer: more than the largest datagram the kernel makes
+/// for a dump (32 KiB).
+const RECV_BUF: usize = 64 * 1024;
+
+/// A dump done: its data messages and whether a commit interrupted it.
+type Dumped = Result<(Vec<Vec<u8>>, bool), NftError>;
+
 /// The replies to one dump request, as they come.
 #[derive(Debug)]
 struct Dump {
@@ -124,8 +132,8 @@ impl Dump {
     }
 
     /// Takes in one datagram; once the dump is done, its data messages
-    /// (`None` inside: a commit interrupted it) or the kernel's error.
-    fn take(&mut self, buf: &[u8]) -> Option<Result<Option<Vec<Vec<u8>>>, NftError>> {
+    /// and whether a commit interrupted it, or the kernel's error.
+    fn take(&mut self, buf: &[u8]) -> Option<Dumped> {
         for m in messages(buf) {
             if m.seq != self.seq {
                 continue; // a reply to an earlier request
@@ -134,7 +142,7 @@ impl Dump {
             match m.ty {
                 NLMSG_DONE => {
                     let out = std::mem::take(&mut self.out);
-                    return Some(Ok((!self.interrupted).then_some(out)));
+                    return Some(Ok((out, self.interrupted)));
                 }
                 NLMSG_ERROR => {
                     let code = m
@@ -188,6 +196,8 @@ pub struct NftNetlink {
     seq: u32,
     /// The send buffer asked for so far.
     sndbuf: usize,
+    /// Dumps of one object taken though a commit interrupted them.
+    interrupted_taken: u64,
 }
 
 impl NftNetlink {
@@ -206,7 +216,28 @@ impl NftNetlink {
             sock,
             seq: 1,
             sndbuf: 0,
+            interrupted_taken: 0,
         })
+    }
+
+    /// One datagram from the kernel. The buffer is as large as the kernel
+    /// makes a dump's datagrams: it sizes them to the largest read so far
+    /// on the socket, up to 32 KiB. With `recv_from_full` (a peek, then a
+    /// read of just what came) they stayed at one page, and the kernel
+    /// walks a set or the family's chains again from the start for each
+    /// datagram of a dump: a 100,000-element set took ~1 s to read.
+    fn recv(&mut self) -> Result<Vec<u8>, NftError> {
+        let mut buf = Vec::with_capacity(RECV_BUF);
+        let n = self
+            .sock
+            .recv(&mut buf, nix::libc::MSG_TRUNC)
+            .map_err(NftError::Io)?;
+        if n > buf.len() {
+            return Err(NftError::Protocol(format!(
+                "a reply of {n} bytes, more than the {RECV_BUF} read"
+            )));
+        }
+        Ok(buf)
     }
 
     fn next_seq(&mut self) -> u32 {
@@ -493,11 +524,11 @@ impl NftNetlink {
         // the commit.
         let mut refused = None;
         loop {
-            let buf = match self.sock.recv_from_full() {
-                Ok((buf, _)) => buf,
+            let buf = match self.recv() {
+                Ok(buf) => buf,
                 // All the kernel had to say came before.
                 Err(_) if refused.is_some() => break,
-                Err(e) => return Err(NftError::Io(e)),
+                Err(e) => return Err(e),
             };
             let mut done = false;
             for Message {
@@ -533,27 +564,50 @@ impl NftNetlink {
         }
     }
 
-    /// A dump: every data message's attributes. One that a commit
-    /// interrupted (the kernel flags its messages `NLM_F_DUMP_INTR`: an
-    /// object added or removed meanwhile shifts where the dump goes on,
-    /// so one could be skipped or seen twice) is made again, up to
-    /// [`DUMP_TRIES`] times.
+    /// A dump that walks more than one object (the tables, or the chains
+    /// of every table of the family: the kernel's chain dump does not
+    /// filter by table): every data message's attributes. One that a
+    /// commit interrupted (the kernel flags its messages
+    /// `NLM_F_DUMP_INTR`: an object added or removed meanwhile shifts where
+    /// the dump goes on, so one could be skipped or seen twice) is made
+    /// again, up to [`DUMP_TRIES`] times.
     fn dump(&mut self, ty: u16, family: Family, a: &[u8]) -> Result<Vec<Vec<u8>>, NftError> {
         for _ in 0..DUMP_TRIES {
-            if let Some(out) = self.dump_once(ty, family, a)? {
+            if let (out, false) = self.dump_once(ty, family, a)? {
                 return Ok(out);
             }
         }
         Err(NftError::Interrupted { tries: DUMP_TRIES })
     }
 
-    /// One dump; `None` if a commit interrupted it.
-    fn dump_once(
-        &mut self,
-        ty: u16,
-        family: Family,
-        a: &[u8],
-    ) -> Result<Option<Vec<Vec<u8>>>, NftError> {
+    /// A dump of what one object of one table holds (a chain's rules, a
+    /// table's sets, a set's elements), taken even if a commit interrupted
+    /// it: the kernel goes on by position within that object, so only a
+    /// commit that changed the object can have torn it, and the flag
+    /// cannot tell one from a commit to any other table. The dataplane
+    /// does not take a table that a commit of its own touched while it was
+    /// being read; another agent's change to one of our tables is what a
+    /// refresh puts back (a torn read of it makes a chain look changed,
+    /// which is written whole, or a set miss an element, which is added
+    /// again: no change). A read of a 100,000-element set takes ~1 s, so
+    /// under 100 commits a second such a dump would never come back
+    /// unflagged. (A hash set's elements can also be skipped or repeated,
+    /// unflagged, while the kernel grows or shrinks its table in a worker
+    /// after many were added or removed: the same repair, no change.)
+    fn dump_within(&mut self, ty: u16, family: Family, a: &[u8]) -> Result<Vec<Vec<u8>>, NftError> {
+        let (out, interrupted) = self.dump_once(ty, family, a)?;
+        self.interrupted_taken += u64::from(interrupted);
+        Ok(out)
+    }
+
+    /// Dumps of one object (a chain's rules, a table's sets, a set's elements) taken though a
+    /// commit interrupted them, since the socket was opened.
+    pub fn interrupted_taken(&self) -> u64 {
+        self.interrupted_taken
+    }
+
+    /// One dump, and whether a commit interrupted it.
+    fn dump_once(&mut self, ty: u16, family: Family, a: &[u8]) -> Dumped {
         let seq = self.next_seq();
         let m = message(
             (NFNL_SUBSYS_NFTABLES << 8) | ty,
@@ -566,7 +620,7 @@ impl NftNetlink {
         self.sock.send(&m, 0).map_err(NftError::Io)?;
         let mut dump = Dump::new(seq);
         loop {
-            let (buf, _) = self.sock.recv_from_full().map_err(NftError::Io)?;
+            let buf = self.recv()?;
             if let Some(done) = dump.take(&buf) {
                 return done;
             }
@@ -587,7 +641,7 @@ impl NftNetlink {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_TABLE, table);
         Ok(self
-            .dump(NFT_MSG_GETSET, family, &a)?
+            .dump_within(NFT_MSG_GETSET, family, &a)?
             .iter()
             .map(|m| attrs(m))
             .filter(|a| get(a, NFTA_SET_TABLE).map(string).as_deref() == Some(table))
@@ -602,29 +656,38 @@ impl NftNetlink {
 
     /// The chains of `table`.
     pub fn chains(&mut self, family: Family, table: &str) -> Result<Vec<ChainInfo>, NftError> {
-        let mut a = Vec::new();
-        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
-        // The kernel's chain dump does not filter by table: every chain of
-        // the family comes back.
         Ok(self
-            .dump(NFT_MSG_GETCHAIN, family, &a)?
-            .iter()
-            .map(|m| attrs(m))
-            .filter(|a| get(a, NFTA_CHAIN_TABLE).map(string).as_deref() == Some(table))
-            .map(|a| {
-                let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
-                    let h = attrs(h);
-                    (
-                        get(&h, NFTA_HOOK_HOOKNUM).map_or(0, be_u32),
-                        get(&h, NFTA_HOOK_PRIORITY).map_or(0, be_u32) as i32,
-                    )
-                });
-                ChainInfo {
-                    name: get(&a, NFTA_CHAIN_NAME).map(string).unwrap_or_default(),
-                    hook,
-                }
-            })
-            .collect())
+            .chains_by_table(family)?
+            .remove(table)
+            .unwrap_or_default())
+    }
+
+    /// The chains of every table of `family`, by table: one dump (the
+    /// kernel's chain dump does not filter by table, so every chain of
+    /// the family comes back whatever is asked).
+    pub fn chains_by_table(
+        &mut self,
+        family: Family,
+    ) -> Result<BTreeMap<String, Vec<ChainInfo>>, NftError> {
+        let mut out: BTreeMap<String, Vec<ChainInfo>> = BTreeMap::new();
+        for m in self.dump(NFT_MSG_GETCHAIN, family, &[])? {
+            let a = attrs(&m);
+            let Some(table) = get(&a, NFTA_CHAIN_TABLE).map(string) else {
+                continue;
+            };
+            let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
+                let h = attrs(h);
+                (
+                    get(&h, NFTA_HOOK_HOOKNUM).map_or(0, be_u32),
+                    get(&h, NFTA_HOOK_PRIORITY).map_or(0, be_u32) as i32,
+                )
+            });
+            out.entry(table).or_default().push(ChainInfo {
+                name: get(&a, NFTA_CHAIN_NAME).map(string).unwrap_or_default(),
+                hook,
+            });
+        }
+        Ok(out)
     }
 
     /// The rules of `table`, in each chain's order.
@@ -659,7 +722,7 @@ impl NftNetlink {
             attr_str(&mut a, NFTA_RULE_CHAIN, c);
         }
         Ok(self
-            .dump(NFT_MSG_GETRULE, family, &a)?
+            .dump_within(NFT_MSG_GETRULE, family, &a)?
             .iter()
             .map(|m| attrs(m))
             .filter(|a| get(a, NFTA_RULE_TABLE).map(string).as_deref() == Some(table))
@@ -749,7 +812,7 @@ impl NftNetlink {
         attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
         attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
         let mut out = Vec::new();
-        for m in self.dump(NFT_MSG_GETSETELEM, family, &a)? {
+        for m in self.dump_within(NFT_MSG_GETSETELEM, family, &a)? {
             let top = attrs(&m);
             let Some(list) = get(&top, NFTA_SET_ELEM_LIST_ELEMENTS) else {
                 continue;
@@ -836,22 +899,23 @@ mod tests {
         let first = [data(6, 0, &[9; 4]), data(7, 0, &[1; 4])].concat();
         assert!(d.take(&first).is_none());
         let last = [data(7, 0, &[2; 4]), done(7, 0)].concat();
-        let out = d.take(&last).unwrap().unwrap().unwrap();
+        let (out, interrupted) = d.take(&last).unwrap().unwrap();
         assert_eq!(out, [vec![1; 4], vec![2; 4]]);
+        assert!(!interrupted);
     }
 
     /// A dump a commit interrupted (one message flagged, or only the last)
-    /// is reported as such, to be made again, not taken as what the kernel
-    /// holds.
+    /// is reported as such (a walk of several objects is made again, not
+    /// taken as what the kernel holds).
     #[test]
-    fn an_interrupted_dump_is_not_taken() {
+    fn an_interrupted_dump_is_reported() {
         let mut d = Dump::new(3);
         assert!(d.take(&data(3, NLM_F_DUMP_INTR, &[1; 4])).is_none());
-        assert!(d.take(&done(3, 0)).unwrap().unwrap().is_none());
+        assert!(d.take(&done(3, 0)).unwrap().unwrap().1);
 
         let mut d = Dump::new(4);
         let all = [data(4, 0, &[1; 4]), done(4, NLM_F_DUMP_INTR)].concat();
-        assert!(d.take(&all).unwrap().unwrap().is_none());
+        assert!(d.take(&all).unwrap().unwrap().1);
 
         // The flag on another request's message does not count.
         let mut d = Dump::new(5);
@@ -861,6 +925,6 @@ mod tests {
             done(5, 0),
         ]
         .concat();
-        assert_eq!(d.take(&all).unwrap().unwrap().unwrap(), [vec![2; 4]]);
+        assert_eq!(d.take(&all).unwrap().unwrap(), (vec![vec![2; 4]], false));
     }
 }

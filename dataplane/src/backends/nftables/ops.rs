@@ -287,6 +287,31 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// The table the op changes.
+    pub fn table(&self) -> &str {
+        match self {
+            Op::AddTable { table, .. }
+            | Op::DestroyTable { table, .. }
+            | Op::AddSet { table, .. }
+            | Op::DestroySet { table, .. }
+            | Op::AddElements { table, .. }
+            | Op::DestroyElements { table, .. }
+            | Op::AddVerdictMap { table, .. }
+            | Op::AddVerdicts { table, .. }
+            | Op::AddRanges { table, .. }
+            | Op::AddIntervals { table, .. }
+            | Op::DestroyIntervals { table, .. }
+            | Op::DestroyRanges { table, .. }
+            | Op::AddChain { table, .. }
+            | Op::DestroyChain { table, .. }
+            | Op::DeleteRule { table, .. }
+            | Op::FlushChain { table, .. }
+            | Op::AddRule { table, .. } => table,
+        }
+    }
+}
+
 /// A chain as the kernel reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainInfo {

@@ -59,8 +59,54 @@ pub enum Content {
     Intervals(Vec<(Key, bool)>),
 }
 
-/// The sets' contents as read, by (table, set).
-pub type Contents = HashMap<(String, String), Content>;
+/// What a read found: the tables it read, each planned whole against
+/// what it found, and what their sets hold. A table of ours the read did
+/// not take (one a commit touched while it was read) is planned from
+/// what was last written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contents {
+    /// The tables read (also one found gone).
+    pub tables: HashSet<String>,
+    /// What each set of theirs holds, by (table, set).
+    pub sets: HashMap<(String, String), Content>,
+}
+
+impl Contents {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What set `key` (table, set) holds, if its table was read.
+    pub fn get(&self, key: &(String, String)) -> Option<&Content> {
+        self.sets.get(key)
+    }
+
+    /// Whether table `name` was read.
+    pub fn read(&self, name: &str) -> bool {
+        self.tables.contains(name)
+    }
+
+    /// Takes in the read of another table.
+    pub fn extend(&mut self, other: Contents) {
+        self.tables.extend(other.tables);
+        self.sets.extend(other.sets);
+    }
+}
+
+/// The sets' contents; the tables read are those they are in.
+impl FromIterator<((String, String), Content)> for Contents {
+    fn from_iter<I: IntoIterator<Item = ((String, String), Content)>>(iter: I) -> Self {
+        let sets: HashMap<(String, String), Content> = iter.into_iter().collect();
+        let tables = sets.keys().map(|(t, _)| t.clone()).collect();
+        Self { tables, sets }
+    }
+}
+
+impl<const N: usize> From<[((String, String), Content); N]> for Contents {
+    fn from(sets: [((String, String), Content); N]) -> Self {
+        sets.into_iter().collect()
+    }
+}
 
 /// A port list's element: a key, and whether it ends an interval.
 type IntervalKey = (Key, bool);
@@ -379,7 +425,7 @@ enum Mode {
 }
 
 /// Plans one commit for all of `tables` (one IP version, `family`).
-/// After a read (`contents`) every table is planned whole. Otherwise a table is
+/// A table a read took (`contents`) is planned whole. Otherwise a table is
 /// planned from its changes alone when its hooks did not change
 /// ([`changes::cheap`], also where chains came, went or were pointed
 /// elsewhere; the table that holds every set is planned whole then, and
@@ -405,8 +451,8 @@ pub struct Input<'a> {
     pub sets: &'a DesiredSets,
     /// What the kernel holds, as last read or written.
     pub observed: &'a Observed,
-    /// What a read found in the sets: then every table is planned whole
-    /// and its sets diffed against it.
+    /// What a read found: each table it took is planned whole and its
+    /// sets diffed against it.
     pub contents: Option<&'a Contents>,
 }
 
@@ -427,7 +473,9 @@ fn plan_tables(input: Input<'_>) -> Result<Plan, PlanError> {
         .map(|t| table_name(chain_prefix, t.table()))
         .collect();
     let wanted_tables: BTreeSet<&str> = names.iter().map(String::as_str).collect();
-    let whole_only = contents.is_some() || sets.removed_any;
+    // A table read back, and every table once a set is gone (its
+    // elements must leave every table that held it), is planned whole.
+    let whole_only = |name: &str| sets.removed_any || contents.is_some_and(|c| c.read(name));
     // The cheap plans of the tables that need no whole plan (those that
     // hold every set are decided below, once it is known which sets the
     // others use).
@@ -436,7 +484,7 @@ fn plan_tables(input: Input<'_>) -> Result<Plan, PlanError> {
         .zip(&names)
         .map(|(t, n)| {
             let obs = observed.get(n)?;
-            if whole_only || t.reshaped || t.all_sets {
+            if whole_only(n) || t.reshaped || t.all_sets {
                 return None;
             }
             changes::cheap(family, n, t, sets, obs)
@@ -491,7 +539,7 @@ fn plan_tables(input: Input<'_>) -> Result<Plan, PlanError> {
         })
         .collect();
     for (i, t) in tables.iter().enumerate() {
-        if !t.all_sets || whole_only || t.reshaped || t.regraphed {
+        if !t.all_sets || whole_only(&names[i]) || t.reshaped || t.regraphed {
             continue;
         }
         let Some(obs) = observed.get(&names[i]) else {

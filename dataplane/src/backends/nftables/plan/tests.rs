@@ -64,7 +64,7 @@ use crate::backends::ipsets::Meta;
 use crate::backends::iptables::{Ownership, Rule};
 use crate::model::IpVersion;
 use crate::model::ipsets::{IpSetType, Member, SetNames};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 fn r(s: &str) -> Rule {
     Rule::parse(s).unwrap()
@@ -154,6 +154,58 @@ fn a_quiet_table_gets_its_members_alone() {
         "{:?}",
         names(&again.ops)
     );
+}
+
+/// A read that took one table (a commit touched the other while it was
+/// read): that table is planned whole against what was read, and what
+/// was changed by hand in it put back; the other goes on from its
+/// changes (a member, by its delta), as last written.
+#[test]
+fn a_table_read_alone_is_planned_whole_and_the_rest_from_changes() {
+    let (mut tables, mut sets) = state();
+    let mut raw = ChainTable::new("raw", IpVersion::V4, Ownership::new("dph"));
+    raw.set_chain("dph-b", vec![r("-m set --match-set dph40s src -j DROP")])
+        .unwrap();
+    raw.set_hooks("PREROUTING", vec![r("-j dph-b")]).unwrap();
+    tables.push(raw);
+    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
+    committed(&mut tables, &mut sets);
+    sets.delta(
+        "dph40s",
+        &mut [ip("10.0.0.2")].into_iter(),
+        &mut std::iter::empty(),
+    );
+    // raw as read: its chain emptied by hand, its set missing the first
+    // member and holding one put there by hand.
+    let mut read = p.after.clone();
+    read.get_mut("dph-raw")
+        .unwrap()
+        .chains
+        .get_mut("dph-b")
+        .unwrap()
+        .comments = Vec::new().into();
+    let contents: Contents = [(
+        ("dph-raw".to_string(), "dph40s".to_string()),
+        Content::Keys([Key::Addr("10.9.9.9".parse().unwrap())].into()),
+    )]
+    .into();
+    assert!(contents.read("dph-raw") && !contents.read("dph-filter"));
+    let again = plan_v4(&tables, &sets, &read, Some(&contents)).unwrap();
+    assert!(!cheap(&again, "dph-raw") && cheap(&again, "dph-filter"));
+    let mut ops = names(&again.ops);
+    ops.sort();
+    assert_eq!(
+        ops,
+        [
+            "adding 1 elements to dph-filter/dph40s",
+            "adding 2 elements to dph-raw/dph40s",
+            "adding rule \"dph:rSvw1bmzaIIW8UNS\" to dph-raw/dph-b",
+            "flushing chain dph-raw/dph-b",
+            "removing 1 elements from dph-raw/dph40s",
+        ]
+        .map(String::from)
+    );
+    assert_eq!(again.after, p.after, "as written");
 }
 
 #[test]
@@ -838,4 +890,42 @@ fn members_alone_are_planned_only_when_nothing_else_changed() {
         [ip("10.0.0.9")].into(),
     );
     assert!(!alone(&tables, &sets, &observed, None));
+}
+
+/// A read set's keys against the members: what is missing added, what
+/// is extra removed, an address and its /32 net one key.
+#[test]
+fn a_read_set_is_diffed_by_key() {
+    use crate::model::ipsets::Member;
+    let k = |s: &str| Key::Addr(s.parse().unwrap());
+    let net = |s: &str| Member::Net(s.parse().unwrap());
+    let members: HashSet<Member> = [
+        ip("10.0.0.1"),
+        ip("10.0.0.2"),
+        net("10.0.0.2/32"),
+        net("10.1.0.0/16"),
+    ]
+    .into();
+    let sorted = |(mut a, mut d): (Vec<Key>, Vec<Key>)| {
+        a.sort();
+        d.sort();
+        (a, d)
+    };
+    let as_written: HashSet<Key> = [k("10.0.0.1"), k("10.0.0.2")].into();
+    assert_eq!(table::diff_keys(&members, &as_written), (vec![], vec![]));
+    let changed: HashSet<Key> = [k("10.0.0.2"), k("10.9.9.9")].into();
+    assert_eq!(
+        sorted(table::diff_keys(&members, &changed)),
+        (vec![k("10.0.0.1")], vec![k("10.9.9.9")])
+    );
+    // As many keys as the members', but one of them not theirs.
+    let swapped: HashSet<Key> = [k("10.0.0.1"), k("10.9.9.9")].into();
+    assert_eq!(
+        sorted(table::diff_keys(&members, &swapped)),
+        (vec![k("10.0.0.2")], vec![k("10.9.9.9")])
+    );
+    assert_eq!(
+        table::diff_keys(&HashSet::new(), &HashSet::new()),
+        (vec![], vec![])
+    );
 }
