@@ -981,17 +981,20 @@ fn a_tables_own_dumps_are_whole_whatever_other_tables_do() -> Result<()> {
             let got = elements.into_iter().collect::<BTreeSet<_>>();
             assert!(got == want_elements, "{} elements missing", want_elements.difference(&got).count());
             // The whole table as the refresh reads it (its chains listed
-            // by the family's dump, made again while interrupted).
-            match reader.read_table(Family::Ip, "dph-still", &gate) {
-                Ok((_, Some((table, contents)))) => {
-                    assert_eq!(table.chains["dph-c"].comments.len(), RULES);
-                    assert!(contents.read("dph-still"));
-                    tables_read += 1;
-                }
-                Ok((_, None)) => anyhow::bail!("the table was not found"),
-                Err(NftError::Interrupted { .. }) => {}
+            // by the family's dump, made again while interrupted; its
+            // rules in one dump, or chain by chain if that was).
+            let listing = match reader.list(Family::Ip, "dph-", &gate) {
+                Ok(l) => l,
+                Err(NftError::Interrupted { .. }) => continue,
                 Err(e) => return Err(e.into()),
-            }
+            };
+            assert_eq!(listing.tables, ["dph-still"], "ours alone");
+            let chains = listing.chains["dph-still"].clone();
+            let (table, contents) =
+                reader.read_table(Family::Ip, "dph-still", chains, &Default::default())?;
+            assert_eq!(table.chains["dph-c"].comments.len(), RULES);
+            assert!(contents.read("dph-still"));
+            tables_read += 1;
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let commits = churn.join().expect("churn thread")?;

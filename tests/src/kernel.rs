@@ -152,6 +152,18 @@ pub fn our_set(ns: &Netns, v6: bool, name: &str) -> Result<String> {
         .unwrap_or_default())
 }
 
+/// Every copy of our IP set `name`: the ipset (iptables), or the set in
+/// each of our nftables tables that holds one (the shards keep copies).
+pub fn our_set_copies(ns: &Netns, v6: bool, name: &str) -> Result<Vec<String>> {
+    if !nftables() {
+        return Ok(vec![our_set(ns, v6, name)?]);
+    }
+    Ok(nft_sets(ns, v6, name)?
+        .into_iter()
+        .map(|(_, block)| block)
+        .collect())
+}
+
 /// The nftables daemon's name of the set that the iptables one names
 /// `name` (`dph40<id>`): an id nft's identifiers do not take (`s:…`) is
 /// named by its hash there.

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use dphandler_proto::felix::to_dataplane::Payload;
 use dphandler_proto::{felix, v1};
 use dphandler_tests::kernel::{
-    flush_our_chain, flush_our_set, nftables, our_chain, our_set, spelled, without_counters,
+    flush_our_chain, flush_our_set, nftables, our_chain, our_set_copies, spelled, without_counters,
 };
 use dphandler_tests::lab::{self, yaml_msgs};
 use dphandler_tests::traffic::{Target, Traffic};
@@ -667,7 +667,9 @@ async fn an_emptied_ip_set_is_refilled() -> Result<()> {
     flush_our_set(&l.host, false, "dph40s:clients")?;
     let refused_meanwhile = !lab::tcp_ok(&l.w1, to80, Duration::from_millis(300));
     let repaired = loop {
-        if our_set(&l.host, false, "dph40s:clients")?.contains(W1) {
+        // Every copy (nftables: one in each table whose rules look it up).
+        let copies = our_set_copies(&l.host, false, "dph40s:clients")?;
+        if !copies.is_empty() && copies.iter().all(|c| c.contains(W1)) {
             break t.elapsed();
         }
         if t.elapsed() > Duration::from_secs(30) {

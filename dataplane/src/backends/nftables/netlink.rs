@@ -107,6 +107,24 @@ pub enum NftError {
 /// read fails (and is tried again later).
 const DUMP_TRIES: usize = 5;
 
+/// The rules of `table` in a rule dump's messages.
+fn rule_infos(messages: &[Vec<u8>], table: &str) -> Vec<RuleInfo> {
+    messages
+        .iter()
+        .map(|m| attrs(m))
+        .filter(|a| get(a, NFTA_RULE_TABLE).map(string).as_deref() == Some(table))
+        .map(|a| RuleInfo {
+            chain: get(&a, NFTA_RULE_CHAIN).map(string).unwrap_or_default(),
+            handle: get(&a, NFTA_RULE_HANDLE)
+                .and_then(|h| <[u8; 8]>::try_from(h).ok())
+                .map_or(0, u64::from_be_bytes),
+            comment: get(&a, NFTA_RULE_USERDATA)
+                .map(comment_of)
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
 /// The receive buffer: more than the largest datagram the kernel makes
 /// for a dump (32 KiB).
 const RECV_BUF: usize = 64 * 1024;
@@ -710,6 +728,24 @@ impl NftNetlink {
         self.rule_dump(family, table, Some(chain))
     }
 
+    /// The rules of `table` in one dump, in each chain's order; `None` if
+    /// a commit interrupted it. The dump goes on by position across the
+    /// table's chains, so a rule a commit adds to one chain shifts where
+    /// it goes on in the next (the caller reads chain by chain then); and
+    /// the kernel skips what it sent from the table's first rule on for
+    /// each datagram, so it is for tables of a few thousand rules (a
+    /// shard), not for one of 300,000.
+    pub fn table_rules(
+        &mut self,
+        family: Family,
+        table: &str,
+    ) -> Result<Option<Vec<RuleInfo>>, NftError> {
+        let mut a = Vec::new();
+        attr_str(&mut a, NFTA_RULE_TABLE, table);
+        let (out, interrupted) = self.dump_once(NFT_MSG_GETRULE, family, &a)?;
+        Ok((!interrupted).then(|| rule_infos(&out, table)))
+    }
+
     fn rule_dump(
         &mut self,
         family: Family,
@@ -721,21 +757,8 @@ impl NftNetlink {
         if let Some(c) = chain {
             attr_str(&mut a, NFTA_RULE_CHAIN, c);
         }
-        Ok(self
-            .dump_within(NFT_MSG_GETRULE, family, &a)?
-            .iter()
-            .map(|m| attrs(m))
-            .filter(|a| get(a, NFTA_RULE_TABLE).map(string).as_deref() == Some(table))
-            .map(|a| RuleInfo {
-                chain: get(&a, NFTA_RULE_CHAIN).map(string).unwrap_or_default(),
-                handle: get(&a, NFTA_RULE_HANDLE)
-                    .and_then(|h| <[u8; 8]>::try_from(h).ok())
-                    .map_or(0, u64::from_be_bytes),
-                comment: get(&a, NFTA_RULE_USERDATA)
-                    .map(comment_of)
-                    .unwrap_or_default(),
-            })
-            .collect())
+        let out = self.dump_within(NFT_MSG_GETRULE, family, &a)?;
+        Ok(rule_infos(&out, table))
     }
 
     /// The keys in set `set` of `table`.

@@ -7,22 +7,28 @@
 //! (chain, set, map) that no commit changed while it was read. The
 //! kernel cannot say which objects a commit changed (it flags a dump any
 //! commit interrupted), but the dataplane knows its own commits' ops:
-//! commits are numbered by the [`Gate`], a table's read records the
-//! number of the last commit before it, and [`patch_read`] takes each
-//! object a later commit of ours touched as that commit wrote it (the
-//! dataplane's model) instead of as read. So a read under constant churn
-//! is still taken whole (what was changed by hand in the objects the
-//! churn touched is put back by the next refresh). Only a table made or
-//! removed meanwhile is read again. The one dump that walks more than one
-//! table, the chains of the whole family, is made between two commits
-//! (the gate held, ~10 ms at 10,000 chains), so our own commits never
-//! interrupt it; another agent's make it run again.
+//! commits are numbered by the [`Gate`], each round of reads begins with
+//! a [`Listing`] of our tables and their chains made between two commits
+//! (the gate held: ~6 ms at 10,000 chains; the chain dump walks every
+//! table of the family, so our own commits must not interrupt it, and
+//! another agent's make it run again), which records the number of the
+//! last commit before it, and [`patch_read`] takes each object a later
+//! commit of ours touched as that commit wrote it (the dataplane's model)
+//! instead of as read. So a read under constant churn is still taken
+//! whole (what was changed by hand in the objects the churn touched is
+//! put back by the next refresh). Only a table made or removed meanwhile
+//! is read again.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::netlink::{NftError, NftNetlink};
 use super::ops::{ChainInfo, Family, Key, Op, TYPE_IFNAME};
 use super::plan::{Content, Contents, Observed, ObservedChain, ObservedTable};
+
+/// Tables of at most this many chains have their rules read in one dump;
+/// larger ones chain by chain.
+const ONE_RULE_DUMP_CHAINS: usize = 1_000;
 
 /// Numbers the commits, and lets a read run between two of them.
 #[derive(Debug, Default)]
@@ -143,45 +149,67 @@ pub fn patch_read(
 /// contents name the table as read); `None`: not there.
 pub type TableRead = Option<(ObservedTable, Contents)>;
 
+/// Our tables and their chains, listed between two commits.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The number of the last commit before the listing.
+    pub began: u64,
+    pub tables: Vec<String>,
+    pub chains: BTreeMap<String, Vec<ChainInfo>>,
+}
+
 /// Reads our tables one by one, on a thread of its own.
 pub trait TableReader: Send {
-    /// Our tables (named `<chain_prefix>…`) of `family`.
-    fn our_tables(&mut self, family: Family, chain_prefix: &str) -> Result<Vec<String>, NftError>;
-    /// Table `name`, and the number of the last commit before its read
-    /// (its chains listed between two commits of `gate`).
+    /// Our tables (named `<chain_prefix>…`) of `family` and their chains,
+    /// listed between two commits of `gate`.
+    fn list(
+        &mut self,
+        family: Family,
+        chain_prefix: &str,
+        gate: &Gate,
+    ) -> Result<Listing, NftError>;
+    /// Table `name`, whose chains are `chains`: their rules, its sets and
+    /// what they hold (but the hash sets named in `unread`: their
+    /// elements are not read, and the contents do not name them).
     fn read_table(
         &mut self,
         family: Family,
         name: &str,
-        gate: &Gate,
-    ) -> Result<(u64, TableRead), NftError>;
+        chains: Vec<ChainInfo>,
+        unread: &HashSet<String>,
+    ) -> Result<(ObservedTable, Contents), NftError>;
 }
 
 impl TableReader for NftNetlink {
-    fn our_tables(&mut self, family: Family, chain_prefix: &str) -> Result<Vec<String>, NftError> {
-        let mut tables = self.tables(family)?;
-        tables.retain(|t| t.starts_with(chain_prefix));
-        Ok(tables)
+    fn list(
+        &mut self,
+        family: Family,
+        chain_prefix: &str,
+        gate: &Gate,
+    ) -> Result<Listing, NftError> {
+        gate.between(|began| {
+            let mut tables = self.tables(family)?;
+            tables.retain(|t| t.starts_with(chain_prefix));
+            let mut chains = self.chains_by_table(family)?;
+            chains.retain(|t, _| t.starts_with(chain_prefix));
+            Ok(Listing {
+                began,
+                tables,
+                chains,
+            })
+        })
     }
 
     fn read_table(
         &mut self,
         family: Family,
         name: &str,
-        gate: &Gate,
-    ) -> Result<(u64, TableRead), NftError> {
-        let (began, chains) = gate.between(|n| -> Result<_, NftError> {
-            if !self.tables(family)?.iter().any(|t| t == name) {
-                return Ok((n, None));
-            }
-            Ok((n, Some(self.chains(family, name)?)))
-        })?;
-        let Some(chains) = chains else {
-            return Ok((began, None));
-        };
+        chains: Vec<ChainInfo>,
+        unread: &HashSet<String>,
+    ) -> Result<(ObservedTable, Contents), NftError> {
         let mut contents = Contents::new();
-        let table = read_rest(self, family, name, chains, &mut contents)?;
-        Ok((began, Some((table, contents))))
+        let table = read_rest(self, family, name, chains, unread, &mut contents)?;
+        Ok((table, contents))
     }
 }
 
@@ -191,19 +219,25 @@ impl TableReader for NftNetlink {
 pub struct SharedReader(pub Arc<Mutex<NftNetlink>>);
 
 impl TableReader for SharedReader {
-    fn our_tables(&mut self, family: Family, chain_prefix: &str) -> Result<Vec<String>, NftError> {
+    fn list(
+        &mut self,
+        family: Family,
+        chain_prefix: &str,
+        gate: &Gate,
+    ) -> Result<Listing, NftError> {
         let mut r = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        r.our_tables(family, chain_prefix)
+        r.list(family, chain_prefix, gate)
     }
 
     fn read_table(
         &mut self,
         family: Family,
         name: &str,
-        gate: &Gate,
-    ) -> Result<(u64, TableRead), NftError> {
+        chains: Vec<ChainInfo>,
+        unread: &HashSet<String>,
+    ) -> Result<(ObservedTable, Contents), NftError> {
         let mut r = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        r.read_table(family, name, gate)
+        r.read_table(family, name, chains, unread)
     }
 }
 
@@ -216,35 +250,52 @@ pub fn read_all(
 ) -> Result<(Observed, Contents), NftError> {
     let mut observed = Observed::new();
     let mut contents = Contents::new();
-    let tables = nl.our_tables(family, chain_prefix)?;
-    let mut chains = nl.chains_by_table(family)?;
+    let Listing {
+        tables, mut chains, ..
+    } = nl.list(family, chain_prefix, &Gate::default())?;
     for table in tables {
         let chains = chains.remove(&table).unwrap_or_default();
-        let t = read_rest(nl, family, &table, chains, &mut contents)?;
+        let t = read_rest(nl, family, &table, chains, &HashSet::new(), &mut contents)?;
         observed.insert(table, t);
     }
     Ok((observed, contents))
 }
 
 /// Table `table` with chains `chains`: their rules, its sets and what
-/// they hold (into `contents`, which names the table as read).
+/// they hold (into `contents`, which names the table as read), but the
+/// elements of the hash sets in `unread`.
 fn read_rest(
     nl: &mut NftNetlink,
     family: Family,
     table: &str,
     chains: Vec<ChainInfo>,
+    unread: &HashSet<String>,
     contents: &mut Contents,
 ) -> Result<ObservedTable, NftError> {
     let mut t = ObservedTable::default();
-    // Chain by chain: a whole-table rule dump is quadratic in the kernel
-    // (see `NftNetlink::rules`).
+    // A table of few chains (a shard's ~300) in one dump; a big one, or
+    // one whose dump a commit interrupted, chain by chain (a whole-table
+    // rule dump is quadratic in the kernel: `NftNetlink::table_rules`).
+    let mut by_chain: Option<HashMap<String, Vec<String>>> = None;
+    if chains.len() <= ONE_RULE_DUMP_CHAINS
+        && let Some(rules) = nl.table_rules(family, table)?
+    {
+        let mut m: HashMap<String, Vec<String>> = HashMap::new();
+        for r in rules {
+            m.entry(r.chain).or_default().push(r.comment);
+        }
+        by_chain = Some(m);
+    }
     for c in chains {
-        let rules: Vec<String> = nl
-            .chain_rules(family, table, &c.name)?
-            .into_iter()
-            .filter(|r| r.chain == c.name)
-            .map(|r| r.comment)
-            .collect();
+        let rules: Vec<String> = match by_chain.as_mut() {
+            Some(m) => m.remove(&c.name).unwrap_or_default(),
+            None => nl
+                .chain_rules(family, table, &c.name)?
+                .into_iter()
+                .filter(|r| r.chain == c.name)
+                .map(|r| r.comment)
+                .collect(),
+        };
         t.chains.insert(
             c.name,
             ObservedChain {
@@ -254,6 +305,11 @@ fn read_rest(
         );
     }
     for s in nl.sets(family, table)? {
+        let hash = s.key_len != 2 && s.flags & 0x4 == 0 && s.key_type != TYPE_IFNAME;
+        if hash && unread.contains(&s.name) {
+            t.sets.insert(s.name.clone(), s);
+            continue;
+        }
         let content = if s.key_len == 2 {
             Content::Intervals(nl.raw_elements(family, table, &s.name)?)
         } else if s.flags & 0x4 != 0 {
