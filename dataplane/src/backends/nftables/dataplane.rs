@@ -146,14 +146,18 @@ fn read_listed(
 }
 
 /// The IP sets of `sets` a read of them (`contents`) found holding
-/// another number of elements than they have members: changed by hand,
-/// or missing a member (a count that matches may still hide a swap, which
-/// the plan puts right in the copy read; the other copies in turn).
+/// another number of elements than they have members (those with members
+/// not written yet aside): changed by hand, or missing a member (a count
+/// that matches may still hide a swap, which the plan puts right in the
+/// copy read; the other copies in turn).
 fn changed_sets<'a>(
     contents: &'a Contents,
     sets: &'a DesiredSets,
 ) -> impl Iterator<Item = String> + 'a {
     contents.sets.iter().filter_map(|((_, s), c)| {
+        if sets.changes.contains_key(s) {
+            return None; // members not written yet: no count to compare
+        }
         let d = sets.sets.get(s)?;
         match c {
             super::plan::Content::Keys(have) if have.len() != d.members.len() => Some(s.clone()),

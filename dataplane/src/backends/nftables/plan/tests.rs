@@ -118,10 +118,9 @@ fn committed(tables: &mut [ChainTable], sets: &mut DesiredSets) {
     }
 }
 
-/// A full plan takes a table none of whose chains changed as it was
-/// written, with its sets' new members only.
-#[test]
-fn a_quiet_table_gets_its_members_alone() {
+/// [`state`] and a raw table whose chain looks up the same set, written;
+/// then a member added to the set.
+fn with_raw_written() -> (Vec<ChainTable>, DesiredSets, Planned) {
     let (mut tables, mut sets) = state();
     let mut raw = ChainTable::new("raw", IpVersion::V4, Ownership::new("dph"));
     raw.set_chain("dph-b", vec![r("-m set --match-set dph40s src -j DROP")])
@@ -135,6 +134,14 @@ fn a_quiet_table_gets_its_members_alone() {
         &mut [ip("10.0.0.2")].into_iter(),
         &mut std::iter::empty(),
     );
+    (tables, sets, p)
+}
+
+/// A full plan takes a table none of whose chains changed as it was
+/// written, with its sets' new members only.
+#[test]
+fn a_quiet_table_gets_its_members_alone() {
+    let (mut tables, sets, p) = with_raw_written();
     // filter changes (a new chain: a whole plan); raw does not.
     tables[0].set_chain("dph-c", vec![r("-j DROP")]).unwrap();
     tables[0]
@@ -162,19 +169,7 @@ fn a_quiet_table_gets_its_members_alone() {
 /// changes (a member, by its delta), as last written.
 #[test]
 fn a_table_read_alone_is_planned_whole_and_the_rest_from_changes() {
-    let (mut tables, mut sets) = state();
-    let mut raw = ChainTable::new("raw", IpVersion::V4, Ownership::new("dph"));
-    raw.set_chain("dph-b", vec![r("-m set --match-set dph40s src -j DROP")])
-        .unwrap();
-    raw.set_hooks("PREROUTING", vec![r("-j dph-b")]).unwrap();
-    tables.push(raw);
-    let p = plan_v4(&tables, &sets, &Observed::new(), None).unwrap();
-    committed(&mut tables, &mut sets);
-    sets.delta(
-        "dph40s",
-        &mut [ip("10.0.0.2")].into_iter(),
-        &mut std::iter::empty(),
-    );
+    let (tables, sets, p) = with_raw_written();
     // raw as read: its chain emptied by hand, its set missing the first
     // member and holding one put there by hand.
     let mut read = p.after.clone();
