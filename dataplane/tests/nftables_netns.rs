@@ -604,7 +604,8 @@ fn rules_written_over_netlink_decide_real_packets() -> Result<()> {
     let rules_now = || {
         host.within(|| -> Result<Vec<(String, String, u64)>> {
             Ok(NftNetlink::open()?
-                .rules(Family::Ip, "dph-pk")?
+                .table_rules(Family::Ip, "dph-pk")?
+                .context("no commit runs beside this dump")?
                 .into_iter()
                 .map(|r| (r.chain, r.comment, r.handle))
                 .collect())
