@@ -280,6 +280,9 @@ pub struct Metrics {
     pub resyncs: Family<RefreshLabel, Counter>,
     /// 1 once the dataplane is in sync.
     pub in_sync: Gauge,
+    /// Objects the dataplane could not program and isolated (each named
+    /// in the status details under `isolated.`).
+    pub isolated: Gauge,
     /// Feeder streams open.
     pub feeders: Gauge,
     /// StatusUpdates streams open.
@@ -334,6 +337,7 @@ impl Default for Metrics {
             message_waits: Counter::default(),
             resyncs: Family::default(),
             in_sync: Gauge::default(),
+            isolated: Gauge::default(),
             feeders: Gauge::default(),
             watchers: Gauge::default(),
             iptables_restore_calls: Family::default(),
@@ -422,6 +426,11 @@ impl Metrics {
             "int_dataplane_in_sync",
             "1 once the dataplane is in sync with the calc graph",
             self.in_sync.clone(),
+        );
+        registry.register(
+            "int_dataplane_isolated_objects",
+            "Objects that could not be programmed and were isolated (kept at their last good state or fail-closed); GetStatus names each",
+            self.isolated.clone(),
         );
         registry.register(
             "grpc_feeders",

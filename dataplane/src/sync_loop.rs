@@ -16,7 +16,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::backends::{DesiredKernel, Refresh};
+use crate::backends::{BackendError, DesiredKernel, Refresh};
 use crate::interfaces::InterfaceEvent;
 use crate::managers::Manager;
 use crate::model::{Key, Member, Update};
@@ -314,6 +314,12 @@ pub fn alive_now() -> u64 {
 }
 
 /// A periodic timer with jitter; disabled when the period is zero.
+/// The prefix of the status details that name an object the dataplane
+/// could not program and isolated (`isolated.policy.<id>`: why, and
+/// whether it is kept at its last good state or fail-closed); counted in
+/// the `int_dataplane_isolated_objects` gauge.
+pub const ISOLATED: &str = "isolated.";
+
 #[derive(Debug)]
 struct Ticker {
     period: Duration,
@@ -331,13 +337,18 @@ impl Ticker {
         t.rearm();
         t
     }
+    /// The next tick: `period` plus up to `jitter` of it from now; none
+    /// for a zero period, or one the clock cannot hold (the settings are
+    /// bounded to a day; this is the last guard: an overflow here once
+    /// panicked the loop).
     fn rearm(&mut self) {
-        self.next = (!self.period.is_zero()).then(|| {
-            let extra = self
-                .period
-                .mul_f64(rand::rng().random_range(0.0..=self.jitter.max(0.0)));
-            Instant::now() + self.period + extra
-        });
+        self.next = (!self.period.is_zero())
+            .then(|| {
+                let jitter = self.jitter.clamp(0.0, 1.0);
+                let extra = self.period.mul_f64(rand::rng().random_range(0.0..=jitter));
+                Instant::now().checked_add(self.period.checked_add(extra)?)
+            })
+            .flatten();
     }
 }
 
@@ -411,6 +422,11 @@ pub struct SyncLoop {
     in_sync_sent: bool,
     pending_refresh: Vec<Refresh>,
     retry_at: Option<Instant>,
+    /// The last apply failed only in ways a retry cannot mend (see
+    /// [`crate::backends::BackendError::retryable`]): the next message or
+    /// interface event applies at once (it may mend it), else the slow
+    /// retry tick does.
+    stuck: bool,
     /// Consecutive failed applies.
     failures: u32,
     reschedule_at: Option<Instant>,
@@ -453,6 +469,7 @@ impl SyncLoop {
             in_sync_sent: false,
             pending_refresh: Vec::new(),
             retry_at: None,
+            stuck: false,
             failures: 0,
             reschedule_at: None,
             refill_at: None,
@@ -689,6 +706,7 @@ impl SyncLoop {
     }
 
     fn on_message(&mut self, session: SessionId, seq: u64, update: Update) {
+        self.unstick();
         self.count_message(&update);
         self.handle_message(session, seq, update);
         // Rejected or not, the message is dealt with: the stream learns it
@@ -790,6 +808,15 @@ impl SyncLoop {
         }
     }
 
+    /// New input after an apply that failed in a way a retry cannot
+    /// mend: it may mend it, so the slow retry tick is not waited for.
+    fn unstick(&mut self) {
+        if self.stuck {
+            self.stuck = false;
+            self.retry_at = None;
+        }
+    }
+
     fn on_interface(&mut self, ev: InterfaceEvent) {
         // Anyone's route deleted (a routing daemon's churn) comes here:
         // only one of ours is worth an apply.
@@ -802,6 +829,7 @@ impl SyncLoop {
         {
             return;
         }
+        self.unstick();
         if ev == InterfaceEvent::InSync {
             self.status.interfaces_in_sync = true;
         } else {
@@ -861,8 +889,11 @@ impl SyncLoop {
             kernel.request_resync(r);
         }
         let mut error = None;
+        // Whether some error of this apply can be mended by a retry.
+        let mut retryable = false;
         for m in &mut self.managers {
             if let Err(e) = m.complete_deferred_work(&mut kernel) {
+                retryable |= e.retryable();
                 error.get_or_insert(e.to_string());
             }
         }
@@ -904,6 +935,7 @@ impl SyncLoop {
                 };
             }
             Err(errors) => {
+                retryable |= errors.iter().any(BackendError::retryable);
                 let msg = errors
                     .iter()
                     .map(ToString::to_string)
@@ -944,6 +976,10 @@ impl SyncLoop {
             .chain(self.config.details())
             .collect();
         if *self.status.details != details {
+            if let Some(m) = &self.metrics {
+                let isolated = details.keys().filter(|k| k.starts_with(ISOLATED)).count();
+                m.isolated.set(i64::try_from(isolated).unwrap_or(i64::MAX));
+            }
             self.status.details = Arc::new(details);
         }
         if let Some(m) = &self.metrics {
@@ -957,13 +993,21 @@ impl SyncLoop {
             "apply"
         );
         if let Some(e) = error {
-            let wait = self
-                .cfg
-                .retry_first
-                .saturating_mul(1u32 << self.failures.min(20))
-                .min(self.cfg.retry_interval);
+            // What a retry can mend is retried with backoff; what it
+            // cannot, at the next change or the slow retry tick only (a
+            // write the kernel refuses as invalid, retried at once for
+            // ever, held every other change back).
+            let wait = if retryable {
+                self.cfg
+                    .retry_first
+                    .saturating_mul(1u32 << self.failures.min(20))
+                    .min(self.cfg.retry_interval)
+            } else {
+                self.cfg.retry_interval
+            };
+            self.stuck = !retryable;
             self.failures += 1;
-            warn!(error = %e, retry_in = ?wait, "apply failed");
+            warn!(error = %e, retryable, retry_in = ?wait, "apply failed");
             self.status.failed_applies += 1;
             if let Some(m) = &self.metrics {
                 m.failures.inc();
@@ -975,6 +1019,7 @@ impl SyncLoop {
         }
         self.status.last_error = None;
         self.failures = 0;
+        self.stuck = false;
         let took = started.elapsed();
         self.budget.spend(&self.cfg, took);
         self.apply_times.record(took);

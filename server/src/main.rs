@@ -43,7 +43,7 @@ use dphandler_server::{connector, grpc::DataplaneService, listen};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tower_governor::GovernorLayer;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 mod demo;
 
@@ -141,7 +141,9 @@ struct ServeArgs {
     #[arg(long, env = "DPH_SHUTDOWN_GRACE_SECONDS", default_value_t = 2.0)]
     shutdown_grace_seconds: f64,
     /// Prefix of every kernel object the daemon owns (IP sets are
-    /// `<prefix>40<id>` / `<prefix>60<id>`); 1-10 letters or digits.
+    /// `<prefix>40<id>` / `<prefix>60<id>`); 1-7 letters or digits (the longest
+    /// chain name, `<prefix>-thfw-<15-character interface>`, fits iptables'
+    /// 28 characters).
     #[arg(long, env = "DPH_PREFIX", default_value = "dph")]
     prefix: String,
     /// Largest IP set (its `maxelem`); a set that would grow beyond it is
@@ -426,6 +428,7 @@ async fn main() -> anyhow::Result<()> {
             .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
             .init()
     }
+    exit_on_panic();
     let flag = cli.log.clone();
     let log_hook: dphandler_dataplane::sync_loop::LogLevelHook = Box::new(move |level| {
         let f = EnvFilter::try_new(level.unwrap_or(&flag)).map_err(|e| e.to_string())?;
@@ -440,6 +443,39 @@ async fn main() -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; sandbox removed"),
         },
     }
+}
+
+/// Exit status of a daemon that panicked (BSD's `EX_SOFTWARE`).
+const PANIC_EXIT: i32 = 70;
+
+/// A panic on any thread or task ends the process with [`PANIC_EXIT`] and
+/// one log line saying where: a daemon whose loop died but whose sockets
+/// still answered "the dataplane is shutting down" was stuck for good (its
+/// supervisor saw it running). Exiting lets the supervisor restart it, and
+/// the restart adopts what the kernel holds (nothing is flushed).
+fn exit_on_panic() {
+    std::panic::set_hook(Box::new(|info| {
+        let what = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        let at = info.location().map(ToString::to_string).unwrap_or_default();
+        let thread = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_string();
+        tracing::error!(
+            panic = %what,
+            location = %at,
+            thread = %thread,
+            status = PANIC_EXIT,
+            "panicked: the daemon exits so that its supervisor restarts it (the kernel is left as it is)"
+        );
+        eprintln!("{}", std::backtrace::Backtrace::force_capture());
+        std::process::exit(PANIC_EXIT);
+    }));
 }
 
 /// SIGTERM and SIGINT, caught from the moment this is called: made before
@@ -511,8 +547,11 @@ async fn serve(
     log_hook: dphandler_dataplane::sync_loop::LogLevelHook,
 ) -> anyhow::Result<()> {
     let signalled_by = shutdown_signal()?;
-    let grace = std::time::Duration::try_from_secs_f64(args.shutdown_grace_seconds)
-        .context("--shutdown-grace-seconds must be a non-negative number")?;
+    let secs = |v: f64, flag: &str| {
+        dphandler_dataplane::model::config::interval(v)
+            .map_err(|why| anyhow::anyhow!("{flag}: {why}"))
+    };
+    let grace = secs(args.shutdown_grace_seconds, "--shutdown-grace-seconds")?;
     // Check every setting before binding anything.
     let tcp_tls = match args.tcp {
         Some(_) => Some(args.tcp_tls()?),
@@ -530,10 +569,6 @@ async fn serve(
         .map(listen::group)
         .transpose()
         .context("--socket-group")?;
-    let secs = |v: f64, flag: &str| {
-        std::time::Duration::try_from_secs_f64(v)
-            .with_context(|| format!("{flag} must be a non-negative number of seconds"))
-    };
     let liveness_timeout = secs(args.liveness_timeout_seconds, "--liveness-timeout-seconds")?;
     let loop_cfg = LoopConfig {
         // An idle loop turns well within the liveness timeout.
@@ -984,12 +1019,23 @@ async fn serve(
         async { tokio::try_join!(async { unix.await.context("gRPC server (unix)") }, tcp) };
     // Streams get a grace period to end cleanly; then we stop anyway.
     let mut grace_rx = signalled.clone();
-    tokio::select! {
-        r = servers => { r?; }
+    let mut loop_task = loop_task;
+    let loop_ended_early = tokio::select! {
+        r = servers => { r?; false }
+        r = &mut loop_task => {
+            // Only a stop ends the loop; anything else is a bug (a panic
+            // has ended the process already, see exit_on_panic).
+            error!(result = ?r, "the sync loop ended without being asked to: exiting");
+            true
+        }
         () = async {
             let _ = grace_rx.wait_for(|s| *s).await;
             tokio::time::sleep(grace).await;
-        } => info!(?grace, "streams still open after the grace period; stopping"),
+        } => { info!(?grace, "streams still open after the grace period; stopping"); false }
+    };
+    if loop_ended_early {
+        let _ = std::fs::remove_file(&args.socket);
+        std::process::exit(PANIC_EXIT);
     }
     let _ = stop_tx.send(true);
     let _ = loop_task.await;

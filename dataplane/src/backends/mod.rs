@@ -122,18 +122,54 @@ pub enum BackendError {
     },
     /// A failure scripted by a recording backend (tests only).
     #[error("{backend}: scripted failure on call {call}")]
-    Scripted { backend: &'static str, call: usize },
+    Scripted {
+        backend: &'static str,
+        call: usize,
+        /// Whether it stands for a failure a retry cannot mend.
+        permanent: bool,
+    },
 }
 
 impl BackendError {
-    /// Whether a retry can help. A missing tool (ENOENT) will not appear by
-    /// itself; everything else is worth retrying.
+    /// Whether a retry of the same write can help. No: a missing tool
+    /// (ENOENT) or one we may not run, and a request the kernel refused
+    /// as invalid for what it is (`EINVAL`, `ERANGE`, `EOPNOTSUPP`,
+    /// `EAFNOSUPPORT`, `EPERM`, `E2BIG`, `EMSGSIZE`): the same request
+    /// fails the same way until the desired state changes. Everything
+    /// else (a lock, a busy kernel, a device that went away, a torn read)
+    /// is worth retrying with backoff. The loop retries what cannot be
+    /// mended only at the next change or its slow retry tick.
     pub fn retryable(&self) -> bool {
+        use std::io::ErrorKind;
         match self {
-            Self::Io { source, .. } => source.kind() != std::io::ErrorKind::NotFound,
+            Self::Io { source, .. } => !matches!(
+                source.kind(),
+                ErrorKind::NotFound | ErrorKind::PermissionDenied
+            ),
+            Self::Netlink { source, .. } => !netlink::errno(source).is_some_and(permanent_errno),
+            Self::Nftables {
+                source: nftables::netlink::NftError::Refused { source, .. },
+                ..
+            } => !source.raw_os_error().is_some_and(permanent_errno),
+            Self::Scripted { permanent, .. } => !permanent,
             _ => true,
         }
     }
+}
+
+/// An errno that says the request itself is wrong, not the moment.
+fn permanent_errno(e: i32) -> bool {
+    use nix::errno::Errno;
+    matches!(
+        Errno::from_raw(e),
+        Errno::EINVAL
+            | Errno::ERANGE
+            | Errno::EOPNOTSUPP
+            | Errno::EAFNOSUPPORT
+            | Errno::EPERM
+            | Errno::E2BIG
+            | Errno::EMSGSIZE
+    )
 }
 
 /// The standard input for a kernel tool that reads a script: an unlinked

@@ -21,6 +21,8 @@ pub struct Recorded {
     pub resync_pending: bool,
     /// How long each apply takes (a dear kernel write).
     pub apply_takes: std::time::Duration,
+    /// The scripted failures are ones a retry cannot mend.
+    pub permanent: bool,
 }
 
 /// Shared view of a [`RecordingBackend`], kept by the test and the manager.
@@ -90,6 +92,7 @@ impl Backend for RecordingBackend {
             return Err(BackendError::Scripted {
                 backend: self.name,
                 call,
+                permanent: r.permanent,
             });
         }
         let ops = std::mem::take(&mut r.queued);

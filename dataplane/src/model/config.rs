@@ -151,8 +151,26 @@ pub fn parse_ports(s: &str) -> Result<Vec<(String, u16)>, String> {
         .collect()
 }
 
+/// The longest interval any setting may have (a refresh, a retry, a
+/// timeout): a day. Longer ones are refused, not clamped: a timer armed
+/// past what the clock can hold would end the loop (a refresh interval of
+/// 9.3e18 seconds did).
+pub const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+
+/// An interval of `secs` seconds (0 allowed: "never" for a refresh), at
+/// most [`MAX_INTERVAL`].
+pub fn interval(secs: f64) -> Result<Duration, String> {
+    if !(0.0..=MAX_INTERVAL.as_secs_f64()).contains(&secs) {
+        return Err(format!(
+            "{secs} s: must be 0 to {} seconds",
+            MAX_INTERVAL.as_secs()
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// Felix's seconds (`90`, `2.5`), or a duration with a unit (`90s`,
-/// `5m`, `1h`, `500ms`).
+/// `5m`, `1h`, `500ms`); 0 to [`MAX_INTERVAL`].
 pub fn parse_seconds(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
@@ -169,7 +187,7 @@ pub fn parse_seconds(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("{s:?}: unit must be ms, s, m or h")),
     };
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is not a duration"))
+    interval(secs).map_err(|why| format!("{s:?}: {why}"))
 }
 
 /// Felix's log severities as a tracing filter.
@@ -385,6 +403,15 @@ mod tests {
             ("IpInIpEnabled", "maybe", "not true or false"),
             ("IptablesRefreshInterval", "soon", "not a number"),
             ("RouteRefreshInterval", "5d", "unit"),
+            (
+                "IptablesRefreshInterval",
+                "9300000000000000000",
+                "must be 0 to 86400 seconds",
+            ),
+            ("IpsetsRefreshInterval", "-1", "must be 0 to 86400"),
+            ("RouteRefreshInterval", "25h", "must be 0 to 86400"),
+            ("IptablesRefreshInterval", "NaN", "not a number"),
+            ("IptablesRefreshInterval", "100000", "must be 0 to 86400"),
             (
                 "FailsafeInboundHostPorts",
                 "tcp:10.0.0.0/8:22",

@@ -13,6 +13,16 @@ pub struct WorkloadEndpointId {
     pub endpoint: Id,
 }
 
+impl std::fmt::Display for WorkloadEndpointId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{}/{}",
+            self.orchestrator, self.workload, self.endpoint
+        )
+    }
+}
+
 /// `HostEndpointID`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostEndpointId(pub Id);

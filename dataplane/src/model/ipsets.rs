@@ -161,11 +161,17 @@ impl Member {
 /// The longest IP set name the kernel accepts.
 pub const MAX_SET_NAME: usize = 31;
 
+/// The longest `--prefix`: every name built on it fits its kernel's
+/// limit (checked over every name the managers make by
+/// `every_chain_name_fits_with_the_longest_prefix`).
+pub const MAX_PREFIX: usize = 7;
+
 /// How the dataplane names its IP sets: `<prefix>40<id>` (IPv4) and
 /// `<prefix>60<id>` (IPv6), as Felix does with `cali`; temporary sets for
 /// swaps are `<prefix>4t<n>` / `<prefix>6t<n>`. A name over 31 characters
-/// becomes `<prefix>40_` + base64url(sha256(id)) cut to fit (ids never
-/// contain `_`, so such names cannot collide with unhashed ones).
+/// becomes `<prefix>40_` + base64url(sha256(id)) cut to fit; so does an id
+/// that starts with `_`, so that no id can take the name another id's hash
+/// gave (a feeder could otherwise make two sets share one kernel set).
 /// Deterministic: the same id always gets the same name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SetNames {
@@ -183,15 +189,19 @@ fn nft_char(c: char) -> bool {
 }
 
 impl SetNames {
-    /// `prefix` must be 1–10 ASCII letters or digits.
+    /// `prefix` must be 1 to [`MAX_PREFIX`] ASCII letters or digits.
     pub fn new(prefix: &str) -> Valid<Self> {
         if prefix.is_empty()
-            || prefix.len() > 10
+            || prefix.len() > MAX_PREFIX
             || !prefix.bytes().all(|b| b.is_ascii_alphanumeric())
         {
             return Err(ValidationError::new(
                 "prefix",
-                format!("{prefix:?}: the prefix must be 1-10 ASCII letters or digits"),
+                format!(
+                    "{prefix:?}: the prefix must be 1-{MAX_PREFIX} ASCII letters or digits \
+                     (the longest chain name, <prefix>-thfw-<15-character interface>, \
+                     must fit iptables' 28 characters)"
+                ),
             ));
         }
         Ok(Self {
@@ -223,6 +233,7 @@ impl SetNames {
         use sha2::Digest;
         let head = format!("{}{}", self.prefix, Self::tag(v));
         if head.len() + id.as_str().len() <= MAX_SET_NAME
+            && !id.as_str().starts_with('_')
             && (!self.nft || id.as_str().chars().all(nft_char))
         {
             return head + id.as_str();
@@ -296,8 +307,46 @@ mod tests {
         assert!(!n.owns(IpVersion::V6, "dph40s:abc"));
         assert!(!n.owns(IpVersion::V4, "dph-other"));
         assert!(!n.owns(IpVersion::V4, "cali40s:abc"));
-        for bad in ["", "dph-x", "a b", "toolongprefix1"] {
+        for bad in ["", "dph-x", "a b", "toolongprefix1", "eightchr"] {
             assert!(SetNames::new(bad).is_err(), "{bad:?}");
+        }
+        assert!(SetNames::new("sevench").is_ok());
+    }
+
+    /// Every id, whatever characters of the id charset it holds, names a
+    /// set by a valid rule token, within the kernel's length, in both
+    /// dataplanes; and no id takes the name another's hash gave.
+    #[test]
+    fn every_id_names_a_set_that_every_backend_takes() {
+        for prefix in ["d", "sevench"] {
+            for names in [
+                SetNames::new(prefix).unwrap(),
+                SetNames::new(prefix).unwrap().for_nftables(),
+            ] {
+                for b in 0u8..=127 {
+                    let c = b as char;
+                    let Ok(id) = Id::new(&format!("s{c}x")) else {
+                        continue;
+                    };
+                    for v in [IpVersion::V4, IpVersion::V6] {
+                        let name = names.name(v, &id);
+                        assert!(name.len() <= MAX_SET_NAME, "{name}");
+                        assert!(
+                            name.bytes().all(crate::model::is_token_byte),
+                            "{c:?}: {name}"
+                        );
+                        if names.nft {
+                            assert!(name.chars().all(nft_char), "{c:?}: {name}");
+                        }
+                        assert!(names.owns(v, &name));
+                    }
+                }
+                let long = Id::new(&"x".repeat(40)).unwrap();
+                let hashed = names.name(IpVersion::V4, &long);
+                let tail = hashed.strip_prefix(&format!("{prefix}40")).unwrap();
+                let forged = Id::new(tail).unwrap();
+                assert_ne!(names.name(IpVersion::V4, &forged), hashed);
+            }
         }
     }
 

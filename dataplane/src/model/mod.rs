@@ -112,6 +112,16 @@ fn is_id_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/' | '@' | '+' | '=' | '~')
 }
 
+/// What a token of a rule may hold on its way to `iptables-restore`
+/// (`[A-Za-z0-9._:/,!=+@%~-]`): no whitespace, quotes, `#` or control
+/// characters, so no name can end a token or a line. Every id character
+/// is one (checked by a test over every byte): an IP set named by an id
+/// is always a valid token, so what the edge accepts the renderer can
+/// write.
+pub fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"._:/,!=+@%~-".contains(&b)
+}
+
 /// Ids order, compare and hash as their text: a map keyed by `Id` can be
 /// looked up with a `&str`.
 impl std::borrow::Borrow<str> for Id {
@@ -502,6 +512,20 @@ impl Update {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the edge accepts in an id, a rule token can hold.
+    #[test]
+    fn every_id_character_is_a_token_character() {
+        for b in 0u8..=255 {
+            if let Ok(id) = Id::new(&String::from_utf8_lossy(&[b])) {
+                assert!(
+                    id.as_str().bytes().all(is_token_byte),
+                    "{:?} is an id but not a token",
+                    b as char
+                );
+            }
+        }
+    }
 
     #[test]
     fn ids_refuse_injection() {

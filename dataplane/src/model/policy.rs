@@ -12,6 +12,18 @@ pub struct PolicyId {
     pub kind: Option<Id>,
 }
 
+impl std::fmt::Display for PolicyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(k) = &self.kind {
+            write!(f, "{k}:")?;
+        }
+        if let Some(ns) = &self.namespace {
+            write!(f, "{ns}/")?;
+        }
+        write!(f, "{}", self.name)
+    }
+}
+
 /// What a rule does when it matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {

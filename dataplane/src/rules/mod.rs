@@ -95,6 +95,22 @@ pub enum Direction {
     Outbound,
 }
 
+/// The kinds of chain that hold one object's rules alone: a policy's
+/// (`pi-`, `po-`), a profile's (`pri-`, `pro-`) and a workload endpoint's
+/// (`tw-`, `fw-`, and the nftables shards' policy lists `tw-list-…`).
+const ISOLATABLE: [&str; 6] = ["pi-", "po-", "pri-", "pro-", "tw-", "fw-"];
+
+/// Whether chain `name` (of chain prefix `chain_prefix`, e.g. `dph-`) is
+/// one that a backend may hold fail-closed alone (a single drop) when the
+/// kernel refuses its rules: a policy's, profile's or workload's. The
+/// top-level, dispatch and host endpoint chains are not: dropping in them
+/// would cut off more than the one object (the host's own traffic, its
+/// failsafe ports).
+pub fn isolatable(chain_prefix: &str, name: &str) -> bool {
+    name.strip_prefix(chain_prefix)
+        .is_some_and(|r| ISOLATABLE.iter().any(|k| r.starts_with(k)))
+}
+
 /// Names of the chains rules live in.
 #[derive(Debug, Clone)]
 pub struct ChainNames {

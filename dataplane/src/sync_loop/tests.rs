@@ -394,6 +394,39 @@ async fn retries_back_off_from_the_first_wait_up_to_the_retry_interval() {
     assert_eq!(h.backend.lock().calls, 4);
 }
 
+/// A failure a retry cannot mend is not retried with backoff: only at
+/// the slow retry tick, or at once when a new message comes (it may mend
+/// it).
+#[tokio::test]
+async fn a_failure_a_retry_cannot_mend_waits_for_the_next_change() {
+    let cfg = LoopConfig {
+        retry_first: Duration::from_millis(20),
+        retry_interval: Duration::from_secs(30),
+        ..fast_config()
+    };
+    let mut h = start(cfg).await;
+    {
+        let mut b = h.backend.lock();
+        b.fail_on = vec![1];
+        b.permanent = true;
+    }
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, set("a")).await;
+    send(&h, 1, 2, Update::InSync).await;
+    let st = wait_for(&mut h, |s| s.failed_applies >= 1).await;
+    assert!(!st.in_sync);
+    // Backoff would have retried after 20 ms.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.backend.lock().calls, 1, "retried though nothing changed");
+    // A new message: applied at once.
+    let t0 = std::time::Instant::now();
+    send(&h, 1, 3, set("b")).await;
+    let st = wait_for(&mut h, |s| s.in_sync).await;
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(st.failed_applies, 1);
+    assert_eq!(h.backend.lock().calls, 2);
+}
+
 #[tokio::test]
 async fn refresh_tick_forces_a_resync() {
     let cfg = LoopConfig {

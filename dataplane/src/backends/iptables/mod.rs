@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use sha2::Digest;
-use tracing::{debug, instrument};
+use tracing::{debug, info, instrument, warn};
 
 pub use super::DetachedSave;
 use super::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
@@ -59,7 +59,7 @@ pub const MAX_CHAIN_NAME: usize = 28;
 pub enum RuleError {
     #[error("chain name {0:?}: 1-28 characters of [A-Za-z0-9_.:-], not starting with '-'")]
     ChainName(String),
-    #[error("rule token {0:?}: only [A-Za-z0-9._:/,!=+@%-] may reach iptables-restore")]
+    #[error("rule token {0:?}: only [A-Za-z0-9._:/,!=+@%~-] may reach iptables-restore")]
     Token(String),
     #[error("a rule needs at least one token")]
     Empty,
@@ -99,9 +99,7 @@ impl Rule {
         let mut target = None;
         let mut after_jump = false;
         for t in tokens {
-            let ok = !t.is_empty()
-                && t.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._:/,!=+@%-".contains(&b));
+            let ok = !t.is_empty() && t.bytes().all(crate::model::is_token_byte);
             if !ok {
                 return Err(RuleError::Token(t.to_string()));
             }
@@ -402,7 +400,22 @@ pub struct Table {
     observed_gen: u64,
     /// (generation, chains, rules) last counted for the metrics.
     counted: std::cell::Cell<Option<(u64, usize, usize)>>,
+    /// Chains whose rules the tool refused (a line it named): written as
+    /// a single drop until their rules change. By name: the rules that
+    /// were refused, and why.
+    quarantined: BTreeMap<String, Quarantined>,
 }
+
+/// A chain the kernel would not take, held fail-closed.
+#[derive(Debug, Clone)]
+struct Quarantined {
+    wanted: Vec<Rule>,
+    why: String,
+}
+
+/// Most chains one apply isolates before it gives up and fails (each
+/// costs a read and a write of the table).
+const MAX_ISOLATED_PER_APPLY: usize = 16;
 
 impl Table {
     pub fn new(
@@ -433,6 +446,7 @@ impl Table {
             check_delay: POST_WRITE_CHECK,
             observed_gen: 0,
             counted: std::cell::Cell::new(None),
+            quarantined: BTreeMap::new(),
         }
     }
 
@@ -457,6 +471,22 @@ impl Table {
         if !name.starts_with(&self.own.chain_prefix) {
             return Err(RuleError::ChainName(name.to_string()));
         }
+        if let Some(q) = self.quarantined.get(name) {
+            if q.wanted == rules {
+                return Ok(()); // still the rules the kernel refused
+            }
+            info!(
+                table = self.table,
+                chain = name,
+                "its rules changed: no longer held fail-closed"
+            );
+            self.quarantined.remove(name);
+        }
+        self.put_chain(name, rules);
+        Ok(())
+    }
+
+    fn put_chain(&mut self, name: &str, rules: Vec<Rule>) {
         if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
             let chain = DesiredChain {
                 bytes: rules
@@ -479,11 +509,11 @@ impl Table {
             self.touched.insert(name.to_string());
             self.changed = true;
         }
-        Ok(())
     }
 
     /// Chain `name` is no longer wanted.
     pub fn remove_chain(&mut self, name: &str) {
+        self.quarantined.remove(name);
         if self.chains.remove(name).is_some() {
             self.touched.remove(name);
             self.reshaped = true;
@@ -544,9 +574,74 @@ impl Table {
         out
     }
 
-    /// The desired rules of chain `name`, if it is set.
+    /// The desired rules of chain `name`, if it is set (for a chain held
+    /// fail-closed, the rules that were refused: what the managers set).
     pub fn chain(&self, name: &str) -> Option<&[Rule]> {
+        if let Some(q) = self.quarantined.get(name) {
+            return Some(&q.wanted);
+        }
         self.chains.get(name).map(|c| c.rules.as_slice())
+    }
+
+    /// The chain a failed restore's error names, when it is one that can
+    /// be held fail-closed alone (a policy's, a profile's or a workload
+    /// endpoint's: [`crate::rules::isolatable`]) and is not held already.
+    /// The tools say `Error occurred at line: N` (a line they could not
+    /// parse or whose match or target they could not load) or `line N
+    /// failed`; the line is `input`'s. A failure at `COMMIT` names no
+    /// chain: the kernel refused the transaction as a whole.
+    fn culprit(&self, e: &BackendError, input: &str) -> Option<String> {
+        let BackendError::Command { stderr, .. } = e else {
+            return None;
+        };
+        let n: usize = stderr
+            .split("Error occurred at line: ")
+            .nth(1)
+            .or_else(|| {
+                stderr
+                    .split("line ")
+                    .nth(1)
+                    .filter(|r| r.contains(" failed"))
+            })?
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()?;
+        let line = input.lines().nth(n.checked_sub(1)?)?;
+        let mut words = line.split(' ');
+        let chain = match words.next()? {
+            "-A" | "-I" | "-R" => words.next()?,
+            decl => decl.strip_prefix(':')?,
+        };
+        (self.chains.contains_key(chain)
+            && !self.quarantined.contains_key(chain)
+            && crate::rules::isolatable(&self.own.chain_prefix, chain))
+        .then(|| chain.to_string())
+    }
+
+    /// Holds chain `name` fail-closed (a single drop) because the tool
+    /// refused its rules (`e`).
+    fn quarantine(&mut self, name: &str, e: &BackendError) {
+        let wanted = self
+            .chains
+            .get(name)
+            .map(|c| c.rules.clone())
+            .unwrap_or_default();
+        warn!(
+            table = self.table,
+            chain = name,
+            error = %e,
+            "the kernel refused this chain's rules: it drops everything until they change (the rest of the table is written)"
+        );
+        self.put_chain(name, vec![Rule::parse("-j DROP").expect("a valid rule")]);
+        self.reshaped = true;
+        self.quarantined.insert(
+            name.to_string(),
+            Quarantined {
+                wanted,
+                why: e.to_string(),
+            },
+        );
     }
 
     /// The desired rules of built-in chain `builtin`'s hooks.
@@ -977,6 +1072,11 @@ impl Table {
     }
 
     fn apply_table(&mut self) -> Result<ApplyOutcome, BackendError> {
+        self.apply_table_isolating(0)
+    }
+
+    /// [`Self::apply_table`], `isolated` chains into this apply.
+    fn apply_table_isolating(&mut self, isolated: usize) -> Result<ApplyOutcome, BackendError> {
         // A read started earlier first; one started now is taken by a
         // later apply.
         self.collect_check()?;
@@ -1020,7 +1120,20 @@ impl Table {
         self.writes += 1;
         self.last_write = Some(Instant::now());
         for input in &inputs {
-            self.exec.restore(input)?;
+            if let Err(e) = self.exec.restore(input) {
+                // A chain the tool named is held fail-closed and the
+                // table written again without it: one policy the kernel
+                // cannot take (a match its kernel lacks) must not keep
+                // every other change out.
+                return match self.culprit(&e, input) {
+                    Some(chain) if isolated < MAX_ISOLATED_PER_APPLY => {
+                        self.quarantine(&chain, &e);
+                        self.read()?;
+                        self.apply_table_isolating(isolated + 1)
+                    }
+                    _ => Err(e),
+                };
+            }
         }
         self.observed = Some(observed);
         self.observed_gen += 1;
@@ -1097,6 +1210,21 @@ impl Backend for Table {
             return Ok(ApplyOutcome::default());
         }
         self.apply_table()
+    }
+
+    fn status(&self) -> Vec<(String, String)> {
+        self.quarantined
+            .iter()
+            .map(|(chain, q)| {
+                (
+                    format!("{}{}.{}", crate::sync_loop::ISOLATED, self.name(), chain),
+                    format!(
+                        "{} (fail-closed: the chain drops everything until its rules change)",
+                        q.why
+                    ),
+                )
+            })
+            .collect()
     }
 
     fn export(&self, m: &crate::metrics::Metrics) {

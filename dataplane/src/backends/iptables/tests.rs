@@ -13,6 +13,9 @@ struct Rec {
     per: Option<usize>,
     /// Offer reads that run on another thread.
     detached: bool,
+    /// A restore whose input has a line holding this fails there, as
+    /// iptables-restore does on a match it cannot load.
+    refuse: Option<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -26,7 +29,21 @@ impl IptablesExec for Recording {
         Ok(r.save.clone())
     }
     fn restore(&mut self, input: &str) -> Result<(), BackendError> {
-        self.0.lock().unwrap().inputs.push(input.to_string());
+        let mut r = self.0.lock().unwrap();
+        if let Some(bad) = &r.refuse
+            && let Some(n) = input.lines().position(|l| l.contains(bad.as_str()))
+        {
+            return Err(BackendError::Command {
+                backend: "iptables",
+                command: "iptables-restore --noflush --wait 5".into(),
+                status: "exit status: 2".into(),
+                stderr: format!(
+                    "iptables-restore v1.8.9 (nf_tables): Set {bad} doesn't exist.\n\nError occurred at line: {}\nTry `iptables-restore -h' for more information.",
+                    n + 1
+                ),
+            });
+        }
+        r.inputs.push(input.to_string());
         Ok(())
     }
     fn chains_per_restore(&self) -> Option<usize> {
@@ -575,4 +592,65 @@ fn no_check_read_starts_while_the_table_keeps_being_written() {
     t.apply(Phase::Tables).unwrap();
     wait_read(&t);
     assert_eq!(rec.0.lock().unwrap().saves, 2);
+}
+
+/// A chain whose rules the tool refuses (the line it names) is held
+/// fail-closed and the rest of the table written in the same apply; it is
+/// reported until its rules change. A refused line in a chain that cannot
+/// be held alone (a top-level one) fails the apply as before.
+#[test]
+fn a_chain_the_kernel_refuses_is_held_fail_closed_and_the_rest_written() {
+    let (mut t, rec) = table(EMPTY, InsertMode::Insert);
+    rec.0.lock().unwrap().refuse = Some("nope".into());
+    t.set_chain("dph-pi-bad", vec![r("-m set --match-set nope src -j DROP")])
+        .unwrap();
+    t.set_chain("dph-pi-good", vec![r("-p tcp -j ACCEPT")])
+        .unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-pi-good"), r("-j dph-pi-bad")])
+        .unwrap();
+    t.apply(Phase::Tables).unwrap();
+    let input = last(&rec);
+    assert!(!input.contains("nope"), "{input}");
+    assert!(
+        input
+            .lines()
+            .any(|l| l.starts_with("-A dph-pi-bad") && l.ends_with("-j DROP")),
+        "{input}"
+    );
+    assert!(input.contains("-A dph-pi-good"), "{input}");
+    let st = t.status();
+    assert_eq!(st.len(), 1, "{st:?}");
+    assert_eq!(st[0].0, "isolated.iptables-filter.dph-pi-bad");
+    assert!(
+        st[0].1.contains("doesn't exist") && st[0].1.contains("fail-closed"),
+        "{st:?}"
+    );
+    // What the managers set is what they see.
+    assert_eq!(
+        t.chain("dph-pi-bad").unwrap()[0].text(),
+        "-m set --match-set nope src -j DROP"
+    );
+
+    // The same rules again: nothing to write, still held.
+    let n = inputs(&rec);
+    rec.0.lock().unwrap().save = input.clone();
+    t.set_chain("dph-pi-bad", vec![r("-m set --match-set nope src -j DROP")])
+        .unwrap();
+    assert!(!t.is_dirty(Phase::Tables) || t.apply(Phase::Tables).is_ok());
+    assert_eq!(inputs(&rec), n, "nothing written");
+    assert_eq!(t.status().len(), 1);
+
+    // Rules that change lift it.
+    t.set_chain("dph-pi-bad", vec![r("-p udp -j DROP")])
+        .unwrap();
+    t.apply(Phase::Tables).unwrap();
+    assert!(last(&rec).contains("-p udp"), "{}", last(&rec));
+    assert!(t.status().is_empty());
+
+    // A top-level chain's line: not held, the apply fails.
+    t.set_chain("dph-INPUT", vec![r("-m set --match-set nope src -j DROP")])
+        .unwrap();
+    t.set_hooks("INPUT", vec![r("-j dph-INPUT")]).unwrap();
+    assert!(t.apply(Phase::Tables).is_err());
+    assert!(t.status().is_empty());
 }

@@ -47,6 +47,7 @@ impl RouteSeam for Fake {
                     BackendError::Scripted {
                         backend: "routes",
                         call: i,
+                        permanent: false,
                     },
                 ));
                 continue;

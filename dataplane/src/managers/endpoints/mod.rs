@@ -119,7 +119,7 @@ pub fn default_failsafe() -> (Ports, Ports) {
 
 /// Who set a chain: so that its chains can be re-rendered, and the stale
 /// ones removed, on its own.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Owner {
     Policy(PolicyId),
     Profile(Id),
@@ -128,6 +128,18 @@ enum Owner {
     Dispatch,
     /// Top-level, failsafe and host endpoint chains.
     Static,
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Owner::Policy(id) => write!(f, "policy {id}"),
+            Owner::Profile(id) => write!(f, "profile {id}"),
+            Owner::Workload(id) => write!(f, "workload endpoint {id}"),
+            Owner::Dispatch => f.write_str("the workload dispatch"),
+            Owner::Static => f.write_str("the top-level and host endpoint chains"),
+        }
+    }
 }
 
 /// What changed since the last `complete_deferred_work`.
@@ -218,6 +230,13 @@ pub struct EndpointsManager {
     /// Each interface's routes, neighbours and knobs as last handed to
     /// the backends.
     links: links::LinkShares,
+    /// Owners whose chains could not be programmed, and why: kept at
+    /// their last good state, or fail-closed (see `apply_owners`).
+    broken: BTreeMap<Owner, String>,
+    /// Tests: the owners whose render fails (no validated input makes
+    /// one fail; this stands in for a renderer bug).
+    #[cfg(test)]
+    fail_render: BTreeSet<Owner>,
 }
 
 fn bad(e: RuleError) -> ManagerError {
@@ -308,6 +327,9 @@ impl EndpointsManager {
             claims: HashMap::new(),
             warned: BTreeSet::new(),
             links: Default::default(),
+            broken: BTreeMap::new(),
+            #[cfg(test)]
+            fail_render: BTreeSet::new(),
         }
     }
 
@@ -393,6 +415,10 @@ impl EndpointsManager {
         table: &str,
         v: IpVersion,
     ) -> Result<chains::Chains, ManagerError> {
+        #[cfg(test)]
+        if self.fail_render.contains(owner) {
+            return Err(bad(RuleError::Token("injected".into())));
+        }
         match owner {
             Owner::Policy(id) => self.policy_chains(id, table, v),
             Owner::Profile(id) if table == FILTER => self.profile_chains(id, v),
@@ -406,36 +432,146 @@ impl EndpointsManager {
         }
     }
 
+    /// Sets the chains `owner` wants in every endpoint table (with
+    /// `fail_closed`, each of them as a single drop) and returns them;
+    /// on an error nothing of it is left set (each chain it had set is
+    /// put back as it was).
+    fn program(
+        &self,
+        owner: &Owner,
+        kernel: &mut DesiredKernel,
+        fail_closed: bool,
+    ) -> Result<Vec<(usize, String)>, ManagerError> {
+        let mut tables: Vec<&mut dyn crate::backends::desired::RuleTable> =
+            kernel.rule_tables_mut().collect();
+        let mut planned = Vec::new();
+        for (i, t) in tables.iter().enumerate() {
+            let table = t.table();
+            if ![FILTER, RAW, MANGLE].contains(&table) {
+                continue;
+            }
+            let chains =
+                if *owner == Owner::Dispatch && table == FILTER && !t.dispatch_by_interface() {
+                    // No tree to render: the table sends every workload
+                    // interface on as one.
+                    self.dispatch_roots()
+                } else if fail_closed {
+                    let drop = vec![rule(&["-j", "DROP"])?];
+                    self.chain_names(owner, table)
+                        .into_iter()
+                        .map(|n| (n, drop.clone()))
+                        .collect()
+                } else {
+                    self.render(owner, table, t.version())?
+                };
+            planned.push((i, chains));
+        }
+        let mut now: Vec<(usize, String)> = Vec::new();
+        let mut undo: Vec<(usize, String, Option<Vec<Rule>>)> = Vec::new();
+        for (i, chains) in planned {
+            let t = &mut *tables[i];
+            for (name, rules) in chains {
+                let before = t.chain(&name).map(<[Rule]>::to_vec);
+                if let Err(e) = t.set_chain(&name, rules) {
+                    // Back as it was, newest first (a chain set twice
+                    // gets its first state back).
+                    for (j, n, r) in undo.into_iter().rev() {
+                        match r {
+                            Some(r) => {
+                                let _ = tables[j].set_chain(&n, r);
+                            }
+                            None => tables[j].remove_chain(&n),
+                        }
+                    }
+                    return Err(bad(e));
+                }
+                undo.push((i, name.clone(), before));
+                now.push((i, name));
+            }
+            if *owner == Owner::Dispatch && tables[i].table() == FILTER {
+                now.extend(self.dispatch_kept.take().into_iter().map(|n| (i, n)));
+            }
+        }
+        Ok(now)
+    }
+
+    /// The names of the chains [`Self::render`] gives `owner` in
+    /// `table`, without rendering them (for its fail-closed form).
+    fn chain_names(&self, owner: &Owner, table: &str) -> Vec<String> {
+        use crate::rules::Direction::{Inbound, Outbound};
+        match owner {
+            Owner::Policy(id) => match self.policies.get(id) {
+                Some(p) if chains::policy_table(p) == table => {
+                    let mut n = vec![self.chains.policy(Inbound, id)];
+                    if table != MANGLE {
+                        n.push(self.chains.policy(Outbound, id));
+                    }
+                    n
+                }
+                _ => Vec::new(),
+            },
+            Owner::Profile(id) if table == FILTER && self.profiles.contains_key(id) => vec![
+                self.chains.profile(Inbound, id),
+                self.chains.profile(Outbound, id),
+            ],
+            Owner::Workload(id) if table == FILTER => match self.endpoints.get(id) {
+                Some(ep) if self.active(id, ep) => vec![
+                    self.endpoint_chain(Inbound, ep.name.as_str()),
+                    self.endpoint_chain(Outbound, ep.name.as_str()),
+                ],
+                _ => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
     /// Re-render `owners` into every endpoint table and drop the chains
     /// they no longer want.
+    ///
+    /// A policy, profile or workload whose chains cannot be rendered or
+    /// set (a rule no table takes) is isolated: its chains stay as they
+    /// were when it had some (its last good state), else it gets the
+    /// fail-closed form of them (each chain a single drop); it is reported
+    /// ([`Self::broken`]) and the other owners go on. Only the dispatch
+    /// and static chains, which everything hangs from, fail the apply.
     fn apply_owners(
         &mut self,
         owners: Vec<Owner>,
         kernel: &mut DesiredKernel,
     ) -> Result<(), ManagerError> {
         for owner in owners {
-            let mut now: Vec<(usize, String)> = Vec::new();
-            for (i, t) in kernel.rule_tables_mut().enumerate() {
-                let table = t.table();
-                if ![FILTER, RAW, MANGLE].contains(&table) {
-                    continue;
+            let now = match self.program(&owner, kernel, false) {
+                Ok(now) => {
+                    if let Some(why) = self.broken.remove(&owner) {
+                        tracing::info!(owner = %owner, was = %why, "programmed again: no longer isolated");
+                    }
+                    now
                 }
-                let chains =
-                    if owner == Owner::Dispatch && table == FILTER && !t.dispatch_by_interface() {
-                        // No tree to render: the table sends every workload
-                        // interface on as one.
-                        self.dispatch_roots()
+                Err(e) if matches!(owner, Owner::Dispatch | Owner::Static) => return Err(e),
+                Err(e) => {
+                    let why = e.to_string();
+                    let kept = self.owned.contains_key(&owner);
+                    if !self.broken.get(&owner).is_some_and(|w| w.starts_with(&why)) {
+                        tracing::warn!(
+                            owner = %owner,
+                            error = %why,
+                            kept_last_good = kept,
+                            "cannot be programmed: isolated (the rest goes on)"
+                        );
+                    }
+                    let state = if kept {
+                        "kept at its last good state"
                     } else {
-                        self.render(&owner, table, t.version())?
+                        "fail-closed: each of its chains drops everything"
                     };
-                for (name, rules) in chains {
-                    t.set_chain(&name, rules).map_err(bad)?;
-                    now.push((i, name));
+                    self.broken
+                        .insert(owner.clone(), format!("{why} ({state})"));
+                    if kept {
+                        continue;
+                    }
+                    self.program(&owner, kernel, true)?
                 }
-                if owner == Owner::Dispatch && table == FILTER {
-                    now.extend(self.dispatch_kept.take().into_iter().map(|n| (i, n)));
-                }
-            }
+            };
             let before = self.owned.remove(&owner).unwrap_or_default();
             // (Sets for the lookups: the dispatch owner has thousands.)
             let before_set: HashSet<&(usize, String)> = before.iter().collect();
@@ -666,6 +802,25 @@ impl Manager for EndpointsManager {
         if c.addrs {
             self.dirty.statics |= !self.hosts.is_empty();
         }
+    }
+
+    fn status(&self) -> Vec<(String, String)> {
+        self.broken
+            .iter()
+            .map(|(owner, why)| {
+                let (kind, id) = match owner {
+                    Owner::Policy(id) => ("policy", id.to_string()),
+                    Owner::Profile(id) => ("profile", id.to_string()),
+                    Owner::Workload(id) => ("workload", id.to_string()),
+                    Owner::Dispatch => ("chains", "dispatch".into()),
+                    Owner::Static => ("chains", "static".into()),
+                };
+                (
+                    format!("{}{kind}.{id}", crate::sync_loop::ISOLATED),
+                    why.clone(),
+                )
+            })
+            .collect()
     }
 
     fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {

@@ -1352,3 +1352,179 @@ fn routes_and_knobs_follow_each_interface_as_a_restart_would_find_them() {
         assert_eq!(got, link_state(&fk), "step {i}: patched against whole");
     }
 }
+
+/// A policy, profile or workload that cannot be rendered is isolated: a
+/// new one fail-closed (its chains drop), a known one kept as it was;
+/// reported until it renders again; the others are programmed meanwhile.
+#[test]
+fn an_object_that_cannot_be_rendered_is_isolated_and_the_rest_programmed() {
+    let allow80 = |port| Policy {
+        inbound_rules: vec![crate::model::Rule {
+            action: Some(Action::Allow),
+            ..tcp_port(port)
+        }],
+        ..Default::default()
+    };
+    let mut m = mgr();
+    let mut k = kernel(IpVersion::V4);
+    m.on_update(&Update::Policy(pid("t.good"), allow80(80)));
+    m.on_update(&Update::Policy(pid("t.bad"), allow80(81)));
+    m.fail_render.insert(Owner::Policy(pid("t.bad")));
+    m.on_update(&wep(
+        "cali1",
+        vec![tier("t", &["t.good", "t.bad"], &[])],
+        &[],
+        EndpointState::Active,
+    ));
+    let c = run(&mut m, &mut k, "filter");
+    assert_eq!(c["dph-pi-t.bad"], ["-j DROP"], "new: fail-closed");
+    assert!(c["dph-pi-t.good"][0].contains("ports 80 "), "{c:?}");
+    assert!(c["dph-tw-cali1"].iter().any(|r| r.contains("dph-pi-t.bad")));
+    let st: BTreeMap<_, _> = m.status().into_iter().collect();
+    assert!(
+        st["isolated.policy.t.bad"].contains("injected")
+            && st["isolated.policy.t.bad"].contains("fail-closed"),
+        "{st:?}"
+    );
+    assert_eq!(st.len(), 1, "{st:?}");
+
+    // A known one that breaks keeps its last good chains; a later
+    // workload is programmed meanwhile.
+    m.fail_render.insert(Owner::Policy(pid("t.good")));
+    m.on_update(&Update::Policy(pid("t.good"), allow80(8080)));
+    m.on_update(&wep(
+        "cali2",
+        vec![tier("t", &["t.good"], &[])],
+        &[],
+        EndpointState::Active,
+    ));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(c["dph-pi-t.good"][0].contains("ports 80 "), "{c:?}");
+    assert!(c.contains_key("dph-tw-cali2"), "the new workload: {c:?}");
+    let st: BTreeMap<_, _> = m.status().into_iter().collect();
+    assert!(st["isolated.policy.t.good"].contains("last good"), "{st:?}");
+
+    // Mended: rendered as sent, no longer reported.
+    m.fail_render.clear();
+    m.on_update(&Update::Policy(pid("t.good"), allow80(8081)));
+    m.on_update(&Update::Policy(pid("t.bad"), allow80(82)));
+    let c = run(&mut m, &mut k, "filter");
+    assert!(c["dph-pi-t.good"][0].contains("ports 8081 "), "{c:?}");
+    assert!(c["dph-pi-t.bad"][0].contains("ports 82 "), "{c:?}");
+    assert!(m.status().is_empty(), "{:?}", m.status());
+
+    // A workload fail-closed: both its chains drop.
+    m.fail_render.insert(Owner::Workload(
+        match wep("cali3", vec![], &[], EndpointState::Active) {
+            Update::WorkloadEndpoint(id, _) => id,
+            _ => unreachable!(),
+        },
+    ));
+    m.on_update(&wep("cali3", vec![], &[], EndpointState::Active));
+    let c = run(&mut m, &mut k, "filter");
+    assert_eq!(c["dph-tw-cali3"], ["-j DROP"]);
+    assert_eq!(c["dph-fw-cali3"], ["-j DROP"]);
+}
+
+/// With the longest prefix `--prefix` takes and the longest names the
+/// edge takes (15-byte interfaces, 253-byte ids, every id character),
+/// every chain the managers make fits iptables' limit: nothing is
+/// isolated, every table takes its chains.
+#[test]
+fn every_chain_name_fits_with_the_longest_prefix() {
+    use crate::backends::iptables::{InsertMode, MAX_CHAIN_NAME, Ownership, Table};
+    use crate::model::HostInterface;
+    use crate::model::ipsets::MAX_PREFIX;
+    let prefix = "p".repeat(MAX_PREFIX);
+    let mut cfg = mgr().cfg;
+    cfg.prefix = prefix.clone();
+    cfg.workload_prefix = "c".into();
+    let mut m = EndpointsManager::new(cfg, SetNames::new(&prefix).unwrap());
+    let long_iface = "c".repeat(IfaceName::MAX_LEN);
+    let host_iface = "e".repeat(IfaceName::MAX_LEN);
+    link(&mut m, 2, &host_iface, "10.0.0.1/24");
+    link(&mut m, 3, &long_iface, "169.254.1.1/32");
+    let odd = "a._-:/@+=~".repeat(26);
+    let odd = &odd[..253];
+    let all_ids = PolicyId {
+        name: id(odd),
+        namespace: Some(id(odd)),
+        kind: Some(id(odd)),
+    };
+    let pol = |untracked, pre_dnat| Policy {
+        inbound_rules: vec![crate::model::Rule {
+            src_ip_set_ids: vec![id(odd)],
+            ..tcp_port(80)
+        }],
+        outbound_rules: vec![tcp_port(443)],
+        untracked,
+        pre_dnat,
+        ..Default::default()
+    };
+    m.on_update(&Update::IpSetUpdate(crate::model::IpSet {
+        id: id(odd),
+        set_type: crate::model::IpSetType::Ip,
+        members: vec![],
+    }));
+    m.on_update(&Update::Policy(all_ids.clone(), pol(false, false)));
+    m.on_update(&Update::Policy(pid(odd), pol(true, false)));
+    m.on_update(&Update::Policy(pid(&odd[1..]), pol(false, true)));
+    m.on_update(&Update::Profile(id(odd), Default::default()));
+    let mut t = tier("t", &[], &[]);
+    t.ingress_policies = vec![all_ids.clone()];
+    t.egress_policies = vec![all_ids];
+    m.on_update(&wep(
+        &long_iface,
+        vec![t.clone()],
+        &[odd],
+        EndpointState::Active,
+    ));
+    let mut untracked = t.clone();
+    untracked.ingress_policies = vec![pid(odd)];
+    let mut prednat = t.clone();
+    prednat.ingress_policies = vec![pid(&odd[1..])];
+    for (n, iface) in [
+        (
+            odd,
+            HostInterface::Named(IfaceName::new(&host_iface).unwrap()),
+        ),
+        ("all", HostInterface::All),
+    ] {
+        let mut h = hep(iface, &[]);
+        h.tiers = vec![t.clone()];
+        h.forward_tiers = vec![t.clone()];
+        h.untracked_tiers = vec![untracked.clone()];
+        h.pre_dnat_tiers = vec![prednat.clone()];
+        h.profile_ids = vec![id(odd)];
+        m.on_update(&Update::HostEndpoint(HostEndpointId(id(n)), h));
+    }
+    for v in [IpVersion::V4, IpVersion::V6] {
+        let mut k = DesiredKernel {
+            tables: ["filter", "raw", "mangle"]
+                .into_iter()
+                .map(|t| {
+                    Table::new(
+                        t,
+                        v,
+                        Ownership::new(&prefix),
+                        InsertMode::Insert,
+                        Box::new(NoKernel),
+                    )
+                })
+                .collect(),
+            ..Default::default()
+        };
+        m.dirty.all = true;
+        m.complete_deferred_work(&mut k).unwrap();
+        assert!(m.status().is_empty(), "{:?}", m.status());
+        let mut names = 0;
+        for t in &k.tables {
+            for name in t.programmed() {
+                assert!(name.len() <= MAX_CHAIN_NAME, "{name}");
+                names += 1;
+            }
+        }
+        assert!(names > 20, "{names} chains");
+        k.apply_all().unwrap();
+    }
+}
