@@ -45,7 +45,10 @@ pub enum Feed {
         session: SessionId,
         /// Highest sequence number of this session now programmed.
         programmed: watch::Sender<u64>,
-        rejections: mpsc::UnboundedSender<Rejection>,
+        /// Bounded ([`REJECTIONS_QUEUED`]): a stream whose client does not
+        /// read its replies cannot pile them up; the loop never waits on
+        /// it (a rejection that finds it full is counted, not queued).
+        rejections: mpsc::Sender<Rejection>,
     },
     Message {
         session: SessionId,
@@ -58,11 +61,17 @@ pub enum Feed {
     Messages {
         session: SessionId,
         messages: Vec<(u64, Update)>,
+        /// What the messages weigh in the edge's budget of decoded bytes
+        /// in flight: given back when the loop has taken them in.
+        held: Option<tokio::sync::OwnedSemaphorePermit>,
     },
     Close {
         session: SessionId,
     },
 }
+
+/// Rejections queued for one stream's replies at most.
+pub const REJECTIONS_QUEUED: usize = 1024;
 
 /// What the loop reports (converted to `felix.FromDataplane` at the edge).
 #[derive(Debug, Clone, PartialEq)]
@@ -364,7 +373,7 @@ struct SessionState {
     swept: bool,
     highest: Option<u64>,
     programmed: watch::Sender<u64>,
-    rejections: mpsc::UnboundedSender<Rejection>,
+    rejections: mpsc::Sender<Rejection>,
 }
 
 /// The apply-time budget of [`LoopConfig::apply_duty`].
@@ -690,7 +699,11 @@ impl SyncLoop {
                 seq,
                 update,
             } => self.on_message(session, seq, update),
-            Feed::Messages { session, messages } => {
+            Feed::Messages {
+                session,
+                messages,
+                held: _held,
+            } => {
                 n = messages.len();
                 for (seq, update) in messages {
                     self.on_message(session, seq, update);
@@ -800,11 +813,18 @@ impl SyncLoop {
             m.rejections.inc();
         }
         if let Some(s) = self.sessions.get(&session) {
-            let _ = s.rejections.send(Rejection {
+            let r = Rejection {
                 sequence_number: seq,
                 field: field.into(),
                 reason,
-            });
+            };
+            if let Err(mpsc::error::TrySendError::Full(r)) = s.rejections.try_send(r) {
+                warn!(
+                    session,
+                    seq = r.sequence_number,
+                    "the stream's client is not reading its replies: this rejection is only logged"
+                );
+            }
         }
     }
 
@@ -873,6 +893,12 @@ impl SyncLoop {
     }
 
     async fn apply(&mut self, ch: &Channels) {
+        // Tests (debug builds only): a panic where the loop does its work,
+        // to see that it ends the daemon (tests/probes.rs).
+        #[cfg(debug_assertions)]
+        if std::env::var_os("DPH_TEST_PANIC_IN_APPLY").is_some() {
+            panic!("DPH_TEST_PANIC_IN_APPLY: a panic injected into the apply");
+        }
         let started = Instant::now();
         self.dirty = false;
         self.status.applies += 1;

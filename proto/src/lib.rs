@@ -25,6 +25,7 @@ pub use dphandler::v1;
 pub mod client;
 pub mod convert;
 pub mod text;
+pub mod wire;
 
 /// The encoded `FileDescriptorSet` of all our `.proto` files (for gRPC
 /// reflection and the canonical JSON mapping).
@@ -38,3 +39,11 @@ pub fn descriptor_pool() -> &'static prost_reflect::DescriptorPool {
             .expect("the descriptor set compiled by build.rs decodes")
     })
 }
+
+/// The largest message the server takes by default
+/// (`--max-message-bytes`). Felix's largest message is an IP set of its
+/// `MaxIpsetSize` (1,048,576) members: 14.2 MB of IPv4 addresses, 43.0 MB
+/// of IPv6 addresses written out in full (measured by
+/// `wire::tests::the_largest_ip_sets_fit_the_default_message_size`);
+/// every other message of a real snapshot is far smaller.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 48 << 20;

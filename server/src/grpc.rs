@@ -10,8 +10,11 @@ use std::time::Instant;
 use dphandler_dataplane::model::{IpVersion, Update};
 use dphandler_dataplane::sync_loop::{Feed, Rejection, StatusEvent};
 use dphandler_proto::felix::{self, from_dataplane};
-use dphandler_proto::v1::{self, dataplane_server::Dataplane};
+use dphandler_proto::v1;
+use dphandler_proto::wire::raw_server::dataplane_server::Dataplane;
+use dphandler_proto::wire::{self, RawToDataplane, WireLimits};
 use futures::{FutureExt, Stream};
+use prost::Message;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -23,6 +26,20 @@ use crate::limits::{self, MessageLimiter};
 /// Most messages one feed item carries.
 const BATCH: usize = 64;
 
+/// What the messages read from every stream and not yet taken in by the
+/// loop may weigh decoded, together (as [`wire::check`] estimates it): a
+/// feeder that sends faster than the loop takes its messages in is held
+/// back here (and so by HTTP/2 flow control) once it is spent.
+pub const DECODED_IN_FLIGHT: usize = 512 << 20;
+
+/// `reason`, cut as [`ValidationError`](dphandler_dataplane::model::ValidationError)
+/// cuts its own (a 60 MiB string echoed whole became a 300 MiB reason,
+/// logged whole; strings are also limited on the wire, see
+/// [`WireLimits::string_bytes`]).
+pub fn cut(reason: String) -> String {
+    dphandler_dataplane::model::ValidationError::new("", reason).reason
+}
+
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 pub struct DataplaneService {
@@ -31,6 +48,10 @@ pub struct DataplaneService {
     started: Instant,
     /// Messages per peer on `ToDataplane` streams (see [`crate::limits`]).
     messages: Option<Arc<MessageLimiter>>,
+    /// What one message may hold (checked before it is decoded).
+    wire_limits: WireLimits,
+    /// The decoded bytes in flight, of every stream ([`DECODED_IN_FLIGHT`]).
+    in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for DataplaneService {
@@ -49,13 +70,39 @@ impl DataplaneService {
             next_session: AtomicU64::new(1),
             started: Instant::now(),
             messages: None,
+            wire_limits: WireLimits::default(),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(DECODED_IN_FLIGHT)),
         }
+    }
+
+    /// What one message may hold.
+    pub fn with_wire_limits(mut self, limits: WireLimits) -> Self {
+        self.wire_limits = limits;
+        self
     }
 
     /// Limits the messages each peer sends over its `ToDataplane` streams.
     pub fn with_message_limit(mut self, limiter: MessageLimiter) -> Self {
         self.messages = Some(Arc::new(limiter));
         self
+    }
+}
+
+/// One message checked against the limits: decoded and converted.
+/// `Ok(None)` for a message with no payload; `Err((sequence number, field,
+/// reason))` for one that cannot be decoded or is invalid.
+fn decode(raw: RawToDataplane, seq: u64) -> Result<Option<(u64, Update)>, (u64, String, String)> {
+    let msg = felix::ToDataplane::decode(raw.0).map_err(|e| {
+        (
+            seq,
+            String::new(),
+            format!("not a valid felix.ToDataplane message: {e}"),
+        )
+    })?;
+    let seq = msg.sequence_number;
+    match dphandler_proto::convert::to_update(msg) {
+        Ok(u) => Ok(u.map(|u| (seq, u))),
+        Err(r) => Err((seq, r.error.field, r.error.reason)),
     }
 }
 
@@ -187,7 +234,7 @@ impl Dataplane for DataplaneService {
 
     async fn to_dataplane(
         &self,
-        request: Request<Streaming<felix::ToDataplane>>,
+        request: Request<Streaming<RawToDataplane>>,
     ) -> Result<Response<Self::ToDataplaneStream>, Status> {
         // A stream whose peer is unknown (tonic always attaches one) is
         // not limited by message: the call limit still applies.
@@ -198,7 +245,10 @@ impl Dataplane for DataplaneService {
         let mut inbound = request.into_inner();
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         let (prog_tx, mut prog_rx) = watch::channel(0u64);
-        let (rej_tx, mut rej_rx) = mpsc::unbounded_channel::<Rejection>();
+        let (rej_tx, mut rej_rx) =
+            mpsc::channel::<Rejection>(dphandler_dataplane::sync_loop::REJECTIONS_QUEUED);
+        let wire_limits = self.wire_limits;
+        let in_flight = self.in_flight.clone();
         let feed = self.conn.feed.clone();
         let metrics = self.conn.metrics.clone();
         feed.send(Feed::Open {
@@ -219,6 +269,8 @@ impl Dataplane for DataplaneService {
             let mut half_closed = false;
             let mut error = None;
             let mut batch: Vec<(u64, Update)> = Vec::with_capacity(BATCH);
+            // The batch's weight in the budget of decoded bytes in flight.
+            let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
             let mut ended = false;
             while !ended {
                 // Wait for one message, then take those already decoded
@@ -238,7 +290,11 @@ impl Dataplane for DataplaneService {
                                     let messages =
                                         std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
                                     if reader_feed
-                                        .send(Feed::Messages { session, messages })
+                                        .send(Feed::Messages {
+                                            session,
+                                            messages,
+                                            held: held.take(),
+                                        })
                                         .await
                                         .is_err()
                                     {
@@ -249,22 +305,49 @@ impl Dataplane for DataplaneService {
                                 metrics.message_waits.inc();
                                 limits::take_message(limiter, peer).await;
                             }
-                            let seq = msg.sequence_number;
-                            match dphandler_proto::convert::to_update(msg) {
-                                Ok(Some(update)) => {
+                            let converted = match wire::check(&msg.0, &wire_limits) {
+                                Err(r) => Err((r.sequence_number, r.field, r.reason)),
+                                Ok(c) => {
+                                    // Weighed before it is decoded: a full
+                                    // budget holds this stream back here.
+                                    let weight = u32::try_from(c.decoded.min(DECODED_IN_FLIGHT))
+                                        .unwrap_or(u32::MAX)
+                                        .max(1);
+                                    match in_flight.clone().acquire_many_owned(weight).await {
+                                        Ok(p) => match &mut held {
+                                            Some(h) => h.merge(p),
+                                            None => held = Some(p),
+                                        },
+                                        Err(_) => {
+                                            ended = true;
+                                            break;
+                                        }
+                                    }
+                                    decode(msg, c.sequence_number)
+                                }
+                            };
+                            match converted {
+                                Ok(Some((seq, update))) => {
                                     batch.push((seq, update));
                                     last_accepted = Some(seq);
                                 }
                                 Ok(None) => {}
-                                Err(r) => {
+                                Err((seq, field, reason)) => {
                                     rejected_count += 1;
                                     metrics.rejections.inc();
-                                    warn!(session, seq, field = %r.error.field, reason = %r.error.reason, "message rejected");
-                                    let _ = rej_tx.send(Rejection {
+                                    let reason = cut(reason);
+                                    warn!(session, seq, %field, %reason, "message rejected");
+                                    let r = Rejection {
                                         sequence_number: seq,
-                                        field: r.error.field,
-                                        reason: r.error.reason,
-                                    });
+                                        field,
+                                        reason,
+                                    };
+                                    // A client that reads no replies holds
+                                    // its own stream back here.
+                                    if rej_tx.send(r).await.is_err() {
+                                        ended = true;
+                                        break;
+                                    }
                                 }
                             }
                         }
@@ -286,13 +369,19 @@ impl Dataplane for DataplaneService {
                     let messages = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
                     // Waiting here on a full feed channel is the back-pressure.
                     if reader_feed
-                        .send(Feed::Messages { session, messages })
+                        .send(Feed::Messages {
+                            session,
+                            messages,
+                            held: held.take(),
+                        })
                         .await
                         .is_err()
                     {
                         break;
                     }
                 }
+                // Rejected messages weigh nothing once they are answered.
+                held = None;
             }
             // Every rejection is queued before this, so the writer sends them
             // all before Received.

@@ -37,7 +37,7 @@ use dphandler_dataplane::model::{
 };
 use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
-use dphandler_proto::v1::dataplane_server::DataplaneServer;
+use dphandler_proto::wire::raw_server::dataplane_server::DataplaneServer;
 use dphandler_server::limits;
 use dphandler_server::{connector, grpc::DataplaneService, listen};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -111,8 +111,9 @@ struct ServeArgs {
     /// the port can then rewrite this node's dataplane: only for tests.
     #[arg(long, env = "DPH_INSECURE_TCP")]
     insecure_tcp: bool,
-    /// Largest message accepted, in bytes.
-    #[arg(long, env = "DPH_MAX_MESSAGE_BYTES", default_value_t = 64 * 1024 * 1024)]
+    /// Largest message accepted, in bytes (1 KiB to 256 MiB). The default
+    /// takes Felix's largest, an IP set of a million IPv6 addresses.
+    #[arg(long, env = "DPH_MAX_MESSAGE_BYTES", default_value_t = dphandler_proto::DEFAULT_MAX_MESSAGE_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=256 << 20))]
     max_message_bytes: usize,
     /// Concurrent HTTP/2 streams per connection.
     #[arg(long, env = "DPH_MAX_CONCURRENT_STREAMS", default_value_t = 64)]

@@ -113,6 +113,9 @@ impl Drop for Netns {
     }
 }
 
+/// A client of the daemon's gRPC service.
+pub type Client = DataplaneClient<Channel>;
+
 /// A `dphandler serve` we started, ended by PID (SIGTERM) on drop.
 #[derive(Debug)]
 pub struct Daemon {

@@ -562,6 +562,15 @@ async fn hostile_messages_are_rejected_by_field_and_nothing_reaches_the_kernel()
 /// What the server answered a `ToDataplane` call whose request body is
 /// `body` (raw gRPC frames): its `grpc-status` and `grpc-message`.
 async fn raw_call(socket: &std::path::Path, body: Vec<u8>) -> Result<(String, String)> {
+    raw_call_replies(socket, body).await.map(|(s, m, _)| (s, m))
+}
+
+/// [`raw_call`], with the replies the server sent before its status.
+async fn raw_call_replies(
+    socket: &std::path::Path,
+    body: Vec<u8>,
+) -> Result<(String, String, Vec<v1::ToDataplaneReply>)> {
+    use prost::Message;
     let io = tokio::net::UnixStream::connect(socket).await?;
     let (h2, conn) = h2::client::handshake(io).await?;
     tokio::spawn(async move {
@@ -586,15 +595,26 @@ async fn raw_call(socket: &std::path::Path, body: Vec<u8>) -> Result<(String, St
             .unwrap_or_default();
         Some((s, percent_decoded(m)))
     };
-    if let Some(r) = pick(&parts.headers) {
-        return Ok(r);
+    if let Some((s, m)) = pick(&parts.headers) {
+        return Ok((s, m, Vec::new()));
     }
+    let mut data = Vec::new();
     while let Some(chunk) = tokio::time::timeout(Duration::from_secs(10), body.data()).await? {
         let chunk = chunk?;
         let _ = body.flow_control().release_capacity(chunk.len());
+        data.extend_from_slice(&chunk);
+    }
+    let mut replies = Vec::new();
+    let mut rest = data.as_slice();
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes(rest[1..5].try_into()?) as usize;
+        let frame = rest.get(5..5 + len).context("a reply cut short")?;
+        replies.push(v1::ToDataplaneReply::decode(frame)?);
+        rest = &rest[5 + len..];
     }
     let trailers = body.trailers().await?.context("no trailers")?;
-    pick(&trailers).context("no grpc-status in the trailers")
+    let (s, m) = pick(&trailers).context("no grpc-status in the trailers")?;
+    Ok((s, m, replies))
 }
 
 /// `grpc-message` as sent: percent-encoded.
@@ -648,14 +668,40 @@ async fn broken_frames_end_their_stream_and_nothing_else() -> Result<()> {
         .windows(3)
         .position(|w| w == b"s:x")
         .context("the id in the encoding")?;
+    // Each message is decoded on its own, after the limits are checked
+    // on its bytes: one that cannot be is rejected like any invalid one,
+    // and the stream goes on to the next.
     let mut bad = good.clone();
     bad[at + 1] = 0xff;
-    let (status, message) = raw_call(&socket, frame(bad.len() as u32, &bad)).await?;
-    eprintln!("not UTF-8: grpc-status {status}: {message}");
-    assert_eq!(status, "13", "INTERNAL: {message}");
+    let mut body = frame(bad.len() as u32, &bad);
+    for next in [msg(2, ipset("s:y", &["10.0.0.2"])), msg(3, in_sync())] {
+        let next = next.encode_to_vec();
+        body.extend(frame(next.len() as u32, &next));
+    }
+    let (status, message, replies) = raw_call_replies(&socket, body).await?;
+    eprintln!("not UTF-8: grpc-status {status}: {message}: {replies:?}");
+    assert_eq!(status, "0", "{message}");
+    let rejections: Vec<&v1::Rejection> = replies
+        .iter()
+        .filter_map(|r| match &r.kind {
+            Some(v1::to_dataplane_reply::Kind::Rejected(x)) => Some(x),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rejections.len(), 1, "{replies:?}");
+    assert_eq!(rejections[0].sequence_number, 1);
     assert!(
-        message.contains("UTF-8") && message.contains("id"),
-        "{message}"
+        rejections[0].reason.contains("UTF-8") && rejections[0].reason.contains("id"),
+        "{:?}",
+        rejections[0]
+    );
+    let received = replies.iter().find_map(|r| match &r.kind {
+        Some(v1::to_dataplane_reply::Kind::Received(x)) => Some(x),
+        _ => None,
+    });
+    assert_eq!(
+        received.map(|r| (r.messages, r.rejected, r.last_accepted_sequence)),
+        Some((3, 1, 3))
     );
 
     // A frame that announces 100 bytes and carries 10.
@@ -672,12 +718,14 @@ async fn broken_frames_end_their_stream_and_nothing_else() -> Result<()> {
     assert_eq!(status, "13", "{message}");
     assert!(message.contains("compressed"), "{message}");
 
-    // Nothing of them is held, and a good stream still works.
+    // Nothing of them is held but the valid messages after the first
+    // (the set, then InSync: the first stream's snapshot), and a good
+    // stream still works.
     let st = client
         .get_status(v1::GetStatusRequest {})
         .await?
         .into_inner();
-    assert!(st.objects.is_empty(), "{:?}", st.objects);
+    assert_eq!(st.objects.get("ipset"), Some(&1), "{:?}", st.objects);
     let (rejected, programmed) = push(
         &mut client,
         vec![msg(1, ipset("s:x", &["10.0.0.1"])), msg(2, in_sync())],

@@ -40,6 +40,8 @@ pub struct HostLinks {
     pub ifaces: BTreeMap<u32, String>,
     /// Index → addresses.
     pub addrs: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// Index → addresses with their prefix (the subnets they stand in).
+    pub nets: BTreeMap<u32, BTreeSet<ipnet::IpNet>>,
 }
 
 /// What an event changed.
@@ -73,13 +75,18 @@ impl HostLinks {
             E::LinkRemoved { index, name } => {
                 self.ifaces.remove(index);
                 self.addrs.remove(index);
+                self.nets.remove(index);
                 self.links.remove(name);
                 c.links.push(name.clone());
             }
             E::AddrAdded { index, addr } => {
                 c.addrs = self.addrs.entry(*index).or_default().insert(addr.addr());
+                self.nets.entry(*index).or_default().insert(*addr);
             }
             E::AddrRemoved { index, addr } => {
+                if let Some(n) = self.nets.get_mut(index) {
+                    n.remove(addr);
+                }
                 c.addrs = self
                     .addrs
                     .get_mut(index)
@@ -90,6 +97,24 @@ impl HostLinks {
         c
     }
 
+    /// The node's own addresses, with their prefixes: those of every link
+    /// but the workload interfaces and the tunnel devices in `tunnels`
+    /// (whose addresses lie in the workload blocks by design).
+    pub fn own_nets<'a>(
+        &'a self,
+        workload_prefix: &'a str,
+        tunnels: &'a [&'a str],
+    ) -> impl Iterator<Item = &'a ipnet::IpNet> {
+        self.nets
+            .iter()
+            .filter(move |(i, _)| {
+                self.ifaces.get(i).is_some_and(|n| {
+                    !n.starts_with(workload_prefix) && !tunnels.contains(&n.as_str())
+                })
+            })
+            .flat_map(|(_, n)| n)
+    }
+
     pub fn interfaces(&self) -> Interfaces<'_> {
         Interfaces {
             links: &self.links,
@@ -97,6 +122,43 @@ impl HostLinks {
             addrs: &self.addrs,
         }
     }
+}
+
+/// Why `net` may not be routed to a workload, nor by a route a feeder
+/// asks for: a default route (it would replace the node's own), a range
+/// that is not unicast, or one that covers an address of the node (so any
+/// that covers one of its subnets; `own`: the node's addresses with their
+/// prefixes); `None` when it may. A narrower range inside a node's subnet
+/// that misses its addresses is allowed (a pod address from the node's
+/// subnet, as some IPAMs hand out).
+pub fn covers_host<'a>(
+    net: &ipnet::IpNet,
+    own: impl IntoIterator<Item = &'a ipnet::IpNet>,
+) -> Option<String> {
+    if net.prefix_len() == 0 {
+        return Some(format!(
+            "{net} is a default route: it would replace this node's own"
+        ));
+    }
+    let a = net.network();
+    let special = match a {
+        IpAddr::V4(v4) => {
+            v4.is_loopback() || v4.is_multicast() || v4.is_broadcast() || v4.octets()[0] == 0
+        }
+        IpAddr::V6(v6) => v6.is_loopback() || v6.is_multicast() || v6.is_unspecified(),
+    };
+    if special {
+        return Some(format!("{net} is not a unicast range"));
+    }
+    // A range that covers one of the node's subnets covers its address
+    // there too.
+    own.into_iter().find(|o| net.contains(&o.addr())).map(|o| {
+        format!(
+            "{net} covers {}, an address of this node (on {})",
+            o.addr(),
+            o.trunc()
+        )
+    })
 }
 
 /// The host's interfaces as the interface monitor reports them.

@@ -36,11 +36,25 @@ pub struct ValidationError {
     pub reason: String,
 }
 
+/// The longest reason a rejection gives (one that quotes a long value is
+/// cut, saying how long it was).
+pub const MAX_REASON: usize = 1024;
+
 impl ValidationError {
     pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        let mut reason = reason.into();
+        if reason.len() > MAX_REASON {
+            let mut at = MAX_REASON;
+            while !reason.is_char_boundary(at) {
+                at -= 1;
+            }
+            let total = reason.len();
+            reason.truncate(at);
+            reason.push_str(&format!("… ({total} bytes in all)"));
+        }
         Self {
             field: field.into(),
-            reason: reason.into(),
+            reason,
         }
     }
 

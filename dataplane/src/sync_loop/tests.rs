@@ -16,7 +16,7 @@ struct Harness {
     backend: RecordingHandle,
     seen: Arc<Mutex<Seen>>,
     programmed: watch::Receiver<u64>,
-    rejections: mpsc::UnboundedReceiver<Rejection>,
+    rejections: mpsc::Receiver<Rejection>,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -58,7 +58,7 @@ async fn start(cfg: LoopConfig) -> Harness {
         let _ = stop_rx.await;
     }));
     let (prog_tx, prog_rx) = watch::channel(0);
-    let (rej_tx, rej_rx) = mpsc::unbounded_channel();
+    let (rej_tx, rej_rx) = mpsc::channel(REJECTIONS_QUEUED);
     feed_tx
         .send(Feed::Open {
             session: 1,
@@ -326,6 +326,7 @@ async fn a_batch_is_handled_in_order() {
         .send(Feed::Messages {
             session: 1,
             messages,
+            held: None,
         })
         .await
         .unwrap();
@@ -455,7 +456,7 @@ async fn second_session_in_sync_removes_what_it_lacks() {
     h.feed.send(Feed::Close { session: 1 }).await.unwrap();
 
     let (prog_tx, mut prog_rx) = watch::channel(0);
-    let (rej_tx, _rej_rx) = mpsc::unbounded_channel();
+    let (rej_tx, _rej_rx) = mpsc::channel(REJECTIONS_QUEUED);
     h.feed
         .send(Feed::Open {
             session: 2,

@@ -109,7 +109,10 @@ impl EndpointsManager {
     /// are ARP only): the host solicits, the workload answers, and the
     /// ICMPv6 exception in `dph-INPUT` lets the answer through whatever
     /// the workload's egress policy says.
-    pub(super) fn link_share(&self, name: &str, ipv6: bool) -> LinkShare {
+    /// A workload address that covers one of the node's own (`own`; it
+    /// was refused when the endpoint came, but the node's addresses can
+    /// change after) gets no route.
+    pub(super) fn link_share(&self, name: &str, ipv6: bool, own: &[ipnet::IpNet]) -> LinkShare {
         let mut share = LinkShare::default();
         if !self.host_links.links.contains_key(name) {
             return share; // CNI has not made it yet; done when it appears
@@ -128,6 +131,10 @@ impl EndpointsManager {
             .map(|n| ipnet::IpNet::V4(*n))
             .chain(ep.ipv6_nets.iter().map(|n| ipnet::IpNet::V6(*n)));
         for net in nets {
+            if let Some(why) = crate::managers::hosts::covers_host(&net, own) {
+                tracing::warn!(interface = name, %why, "a workload address is left unrouted");
+                continue;
+            }
             share.routes.push((
                 RouteKey::main(net),
                 RouteTarget {
@@ -166,13 +173,20 @@ impl EndpointsManager {
         let ipv6 = kernel
             .rule_tables_mut()
             .any(|t| t.version() == IpVersion::V6);
+        let tunnels = self.tunnel_devices();
+        let tunnels: Vec<&str> = tunnels.iter().map(String::as_str).collect();
+        let own: Vec<ipnet::IpNet> = self
+            .host_links
+            .own_nets(&self.cfg.workload_prefix, &tunnels)
+            .copied()
+            .collect();
         if all || self.links.ipv6 != Some(ipv6) {
             let mut shares = LinkShares {
                 ipv6: Some(ipv6),
                 ..LinkShares::default()
             };
             for name in self.by_name.keys() {
-                shares.put(name, self.link_share(name, ipv6));
+                shares.put(name, self.link_share(name, ipv6, &own));
             }
             self.links = shares;
             if let Some(r) = &mut kernel.routes {
@@ -188,7 +202,7 @@ impl EndpointsManager {
         let mut neighbours: Vec<(Neighbour, bool)> = Vec::new();
         let mut knobs: Vec<(String, Option<&'static str>)> = Vec::new();
         for name in changed {
-            let new = self.link_share(&name, ipv6);
+            let new = self.link_share(&name, ipv6, &own);
             let old = self.links.take(&name);
             keys.extend(old.routes.iter().chain(&new.routes).map(|(k, _)| *k));
             let gone = old

@@ -288,6 +288,20 @@ fn names_any(rules: [&[crate::model::Rule]; 2], sets: &BTreeSet<Id>) -> bool {
 }
 
 impl EndpointsManager {
+    /// The devices of ours whose addresses lie in the workload blocks by
+    /// design (VXLAN, IPIP and WireGuard tunnels): not the node's own.
+    pub(super) fn tunnel_devices(&self) -> Vec<String> {
+        use crate::managers::routes::{IPIP_DEVICE, VXLAN_V4, VXLAN_V6};
+        let mut out: Vec<String> = [VXLAN_V4, VXLAN_V6, IPIP_DEVICE]
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        for (i, v) in [IpVersion::V4, IpVersion::V6].into_iter().enumerate() {
+            out.push(self.cfg.wireguard[i].effective(v, &self.wg_config).iface);
+        }
+        out
+    }
+
     /// WireGuard's UDP port for version `v` while WireGuard is on.
     fn wireguard_port(&self, v: IpVersion) -> Option<u16> {
         let i = usize::from(v == IpVersion::V6);
@@ -650,6 +664,53 @@ impl EndpointsManager {
 impl Manager for EndpointsManager {
     fn name(&self) -> &'static str {
         "endpoints"
+    }
+
+    /// A workload endpoint is confined to a workload interface (one named
+    /// with the workload prefix, as Felix's InterfacePrefix confines it)
+    /// and to addresses that are not the node's own: a feeder must not
+    /// make the uplink a workload's (its routes, proxy ARP, sysctls) nor
+    /// route the node's addresses or subnets, or everything, to one.
+    fn check(&self, update: &Update) -> Result<(), crate::model::ValidationError> {
+        use crate::model::ValidationError;
+        let Update::WorkloadEndpoint(_, ep) = update else {
+            return Ok(());
+        };
+        let prefix = self.cfg.workload_prefix.as_str();
+        if !ep.name.as_str().starts_with(prefix) {
+            return Err(ValidationError::new(
+                "workload_endpoint_update.endpoint.name",
+                format!(
+                    "interface {:?} is not a workload interface: workload endpoints are confined \
+                     to interfaces named {prefix}… (--workload-iface-prefix, Felix's InterfacePrefix)",
+                    ep.name.as_str()
+                ),
+            ));
+        }
+        let tunnels = self.tunnel_devices();
+        let tunnels: Vec<&str> = tunnels.iter().map(String::as_str).collect();
+        let own: Vec<&ipnet::IpNet> = self.host_links.own_nets(prefix, &tunnels).collect();
+        let nets = ep
+            .ipv4_nets
+            .iter()
+            .map(|n| ("ipv4_nets", ipnet::IpNet::V4(*n)))
+            .chain(
+                ep.ipv6_nets
+                    .iter()
+                    .map(|n| ("ipv6_nets", ipnet::IpNet::V6(*n))),
+            );
+        let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+        for (field, net) in nets {
+            let i = seen.entry(field).or_default();
+            if let Some(why) = crate::managers::hosts::covers_host(&net, own.iter().copied()) {
+                return Err(ValidationError::new(
+                    format!("workload_endpoint_update.endpoint.{field}[{i}]"),
+                    format!("{why}: a workload's address must not be"),
+                ));
+            }
+            *i += 1;
+        }
+        Ok(())
     }
 
     #[allow(

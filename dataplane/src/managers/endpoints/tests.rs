@@ -932,7 +932,7 @@ fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
     ep.ipv6_nets = vec!["fd00:65::2/128".parse().unwrap()];
     m.on_update(&Update::WorkloadEndpoint(wid, ep));
     link(&mut m, 7, "cali1", "fe80::ecee:eeff:feee:eeee/64");
-    let share = m.link_share("cali1", false);
+    let share = m.link_share("cali1", false, &[]);
     assert_eq!(
         share
             .routes
@@ -1527,4 +1527,63 @@ fn every_chain_name_fits_with_the_longest_prefix() {
         assert!(names > 20, "{names} chains");
         k.apply_all().unwrap();
     }
+}
+
+/// A workload endpoint is confined to a workload interface and to
+/// addresses that are not the node's own.
+#[test]
+fn workloads_are_confined_to_workload_interfaces_and_addresses() {
+    let mut m = mgr();
+    link(&mut m, 2, "eth0", "192.0.2.10/24");
+    link(&mut m, 3, "vxlan.calico", "10.65.0.0/32");
+    let with_nets = |iface: &str, v4: &[&str], v6: &[&str]| {
+        let Update::WorkloadEndpoint(id, mut ep) = wep(iface, vec![], &[], EndpointState::Active)
+        else {
+            unreachable!()
+        };
+        ep.ipv4_nets = v4.iter().map(|n| n.parse().unwrap()).collect();
+        ep.ipv6_nets = v6.iter().map(|n| n.parse().unwrap()).collect();
+        Update::WorkloadEndpoint(id, ep)
+    };
+    let e = m
+        .check(&with_nets("eth0", &["10.65.0.5/32"], &[]))
+        .unwrap_err();
+    assert_eq!(e.field, "workload_endpoint_update.endpoint.name");
+    assert!(
+        e.reason.contains("not a workload interface"),
+        "{}",
+        e.reason
+    );
+    for (v4, v6, field, says) in [
+        (&["0.0.0.0/0"][..], &[][..], "ipv4_nets[0]", "default route"),
+        (&[], &["::/0"][..], "ipv6_nets[0]", "default route"),
+        (
+            &["10.65.0.5/32", "192.0.2.10/32"],
+            &[],
+            "ipv4_nets[1]",
+            "an address of this node",
+        ),
+        (
+            &["192.0.2.0/24"],
+            &[],
+            "ipv4_nets[0]",
+            "an address of this node",
+        ),
+        (&["127.0.0.1/32"], &[], "ipv4_nets[0]", "not a unicast"),
+    ] {
+        let e = m.check(&with_nets("cali1", v4, v6)).unwrap_err();
+        assert_eq!(
+            e.field,
+            format!("workload_endpoint_update.endpoint.{field}")
+        );
+        assert!(e.reason.contains(says), "{v4:?} {v6:?}: {}", e.reason);
+    }
+    // A pod address in the node's subnet, and one in the block the VXLAN
+    // device's address is in: fine.
+    m.check(&with_nets(
+        "cali1",
+        &["192.0.2.77/32", "10.65.0.0/32"],
+        &["fd00::1/128"],
+    ))
+    .unwrap();
 }

@@ -228,10 +228,12 @@ impl RoutesManager {
 
     /// Works out the route for one destination (`None`: no route of
     /// ours), keeping the counts and the waiting list.
-    fn target_for(&mut self, dst: IpNet) -> Option<RouteTarget> {
+    /// `own`: the node's own addresses ([`Self::own_nets`], taken once
+    /// per pass).
+    fn target_for(&mut self, dst: IpNet, own: &[IpNet]) -> Option<RouteTarget> {
         let result = match self.routes.get(&dst) {
             Some(r) if version_of(&dst) == IpVersion::V4 || self.cfg.ipv6 => {
-                self.route_for(r, &self.devices)
+                self.route_for(r, &self.devices, own)
             }
             _ => Ok(None),
         };
@@ -319,9 +321,10 @@ impl RoutesManager {
         self.counts.clear();
         self.waiting_routes.clear();
         let dsts: Vec<IpNet> = self.routes.keys().copied().collect();
+        let own = self.own_nets();
         let mut routes = BTreeMap::new();
         for dst in dsts {
-            if let Some(t) = self.target_for(dst) {
+            if let Some(t) = self.target_for(dst, &own) {
                 routes.insert(RouteKey::main(dst), t);
             }
         }
@@ -562,8 +565,13 @@ impl Manager for RoutesManager {
                 }
             }
             let dsts = std::mem::take(&mut self.dirty_dsts);
+            let own = if dsts.is_empty() {
+                Vec::new()
+            } else {
+                self.own_nets()
+            };
             for dst in dsts {
-                let target = self.target_for(dst);
+                let target = self.target_for(dst, &own);
                 if let Some(k) = &mut kernel.routes {
                     k.update(RouteSource::Cluster, RouteKey::main(dst), target);
                 }

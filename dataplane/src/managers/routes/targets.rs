@@ -48,10 +48,16 @@ impl RoutesManager {
         &self,
         r: &Route,
         devices: &BTreeMap<IpVersion, VxlanDevice>,
+        own: &[IpNet],
     ) -> Result<Option<RouteTarget>, String> {
         let ver = version_of(&r.dst);
         if !self.pool_on(r.ip_pool_type, ver) {
             return Ok(None);
+        }
+        // Refused when it came; the node's addresses may have changed
+        // since.
+        if let Some(why) = crate::managers::hosts::covers_host(&r.dst, own) {
+            return Err(format!("{why}: no route a feeder asks for may"));
         }
         let rp = self.cfg.route_protocol;
         if is_type(r, LOCAL_WORKLOAD) {

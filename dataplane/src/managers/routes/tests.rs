@@ -721,3 +721,46 @@ fn another_node_s_vtep_touches_its_entries_and_its_routes_only() {
     m.on_update(&vtep("node1", 7, "10.65.1.0", "172.31.77.1"));
     assert!(m.all_dirty);
 }
+
+/// No route a feeder asks for may replace the node's default route or
+/// cover its own addresses and subnets; a route this manager does not
+/// program (another host's address) may name them.
+#[test]
+fn no_route_covers_the_default_or_the_nodes_own_addresses() {
+    let mut m = vxlan_node();
+    let mut k = kernel();
+    m.complete_deferred_work(&mut k).unwrap();
+    for (types, dst, says) in [
+        (LOCAL_WORKLOAD, "0.0.0.0/0", "default route"),
+        (REMOTE_WORKLOAD, "::/0", "default route"),
+        (REMOTE_WORKLOAD, "127.0.0.0/8", "not a unicast range"),
+        (LOCAL_WORKLOAD, "224.0.0.0/4", "not a unicast range"),
+        // eth0 holds 172.31.77.1/24 (the node's uplink).
+        (LOCAL_WORKLOAD, "172.31.0.0/16", "an address of this node"),
+        (REMOTE_WORKLOAD, "172.31.77.0/24", "an address of this node"),
+        (REMOTE_WORKLOAD, "172.31.77.1/32", "an address of this node"),
+    ] {
+        let r = Update::Route(route(types, POOL_VXLAN, dst, "node2", "172.31.77.2"));
+        let e = m.check(&r).unwrap_err();
+        assert_eq!(e.field, "route_update.dst");
+        assert!(e.reason.contains(says), "{dst}: {}", e.reason);
+    }
+    // Another node's address: not a route of ours to program.
+    let host = Update::Route(route(
+        2,
+        POOL_VXLAN,
+        "172.31.77.2/32",
+        "node2",
+        "172.31.77.2",
+    ));
+    m.check(&host).unwrap();
+    // A block beside the uplink's subnet: fine.
+    let block = Update::Route(route(
+        REMOTE_WORKLOAD,
+        POOL_VXLAN,
+        "10.65.9.0/26",
+        "node3",
+        "172.31.77.3",
+    ));
+    m.check(&block).unwrap();
+}

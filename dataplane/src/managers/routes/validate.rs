@@ -50,6 +50,9 @@ impl RoutesManager {
     pub(super) fn validate(&self, update: &Update) -> Result<(), ValidationError> {
         match update {
             Update::Route(r) => {
+                if let Some(why) = self.covers_host(r) {
+                    return Err(ValidationError::new("route_update.dst", why));
+                }
                 if let Some(o) = self.overlapping(r) {
                     return Err(ValidationError::new(
                         "route_update.dst",
@@ -88,6 +91,54 @@ impl RoutesManager {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Why route `r` must never be programmed: a default route, a range
+    /// that is not unicast (whatever its type), or, for a route this
+    /// manager programs (a local block's blackhole, a remote block), one
+    /// that covers this node's own addresses or subnets (those of its
+    /// uplinks and loopback as known now; looked at again when the route
+    /// is worked out).
+    pub(super) fn covers_host(&self, r: &Route) -> Option<String> {
+        let programmed = if is_type(r, LOCAL_WORKLOAD) {
+            !r.local_workload && !is_host_prefix(&r.dst)
+        } else {
+            is_type(r, REMOTE_WORKLOAD) || is_type(r, REMOTE_TUNNEL)
+        };
+        let own = if programmed {
+            self.own_nets()
+        } else {
+            Vec::new()
+        };
+        crate::managers::hosts::covers_host(&r.dst, &own)
+            .map(|why| format!("{why}: no route a feeder asks for may"))
+    }
+
+    /// This node's own addresses with their prefixes: every address of
+    /// the interfaces that carry its underlay (each version's parent,
+    /// even a /32 as some clouds give) and of the loopback, and every
+    /// address elsewhere that stands for a subnet (a second NIC, a
+    /// bridge). A host address (/32, /128) on another device is left out:
+    /// the tunnels' (VXLAN, WireGuard, IPIP) lie in the workload blocks
+    /// by design. IPv6 link-local addresses are every link's own.
+    pub(super) fn own_nets(&self) -> Vec<IpNet> {
+        let parents: Vec<&str> = [IpVersion::V4, IpVersion::V6]
+            .into_iter()
+            .filter_map(|v| self.parent(v).map(|(l, _)| l.name.as_str()))
+            .chain(["lo"])
+            .collect();
+        self.links
+            .values()
+            .flat_map(|l| {
+                let whole = parents.contains(&l.name.as_str());
+                l.addrs.iter().filter(move |a| {
+                    let link_local =
+                        matches!(a, IpNet::V6(v6) if v6.addr().segments()[0] & 0xffc0 == 0xfe80);
+                    !link_local && (whole || !is_host_prefix(a))
+                })
+            })
+            .copied()
+            .collect()
     }
 
     /// Blocks (not single addresses) of `dst`'s version that overlap `dst`
