@@ -415,6 +415,59 @@ fn cases() -> Vec<Case> {
             json: rule(r#""ruleId":"r\"1""#),
             field: "active_policy_update.policy.inbound_rules[0].rule_id",
         },
+        // What a careless feeder sent (issue 38; tests/probes.rs replays
+        // each against the loop, the kernel and the daemon's memory).
+        case(
+            "refresh interval of 9.3e18 seconds (the loop's timer overflowed)",
+            r#"{"configUpdate":{"config":{"IptablesRefreshInterval":"9300000000000000000"}}}"#,
+            "config_update.config[IptablesRefreshInterval]",
+        ),
+        case(
+            "workload endpoint on the uplink (eth0)",
+            r#"{"workloadEndpointUpdate":{"id":{"orchestratorId":"k8s","workloadId":"w","endpointId":"e"},"endpoint":{"state":"active","name":"eth0"}}}"#,
+            "workload_endpoint_update.endpoint.name",
+        ),
+        Case {
+            what: "workload net 0.0.0.0/0 (the node's default route)",
+            json: wep(r#""ipv4Nets":["0.0.0.0/0"]"#),
+            field: "workload_endpoint_update.endpoint.ipv4_nets[0]",
+        },
+        Case {
+            what: "workload net 127.0.0.1/32",
+            json: wep(r#""ipv4Nets":["127.0.0.1/32"]"#),
+            field: "workload_endpoint_update.endpoint.ipv4_nets[0]",
+        },
+        case(
+            "route for a local block of 0.0.0.0/0 (a default blackhole)",
+            r#"{"routeUpdate":{"types":4,"ipPoolType":2,"dst":"0.0.0.0/0","dstNodeName":"n"}}"#,
+            "route_update.dst",
+        ),
+        case(
+            "route to ::/0",
+            r#"{"routeUpdate":{"types":1,"ipPoolType":2,"dst":"::/0","dstNodeName":"n"}}"#,
+            "route_update.dst",
+        ),
+        Case {
+            what: "policy of 10,001 empty rules",
+            json: format!(
+                r#"{{"activePolicyUpdate":{{"id":{{"name":"default.big"}},"policy":{{"inboundRules":[{}]}}}}}}"#,
+                vec!["{}"; 10_001].join(",")
+            ),
+            field: "active_policy_update.policy.inbound_rules",
+        },
+        Case {
+            what: "rule naming 65 IP sets (a rule past 64 KiB)",
+            json: rule(&format!(
+                r#""srcIpSetIds":[{}]"#,
+                (0..65).map(|i| format!("\"s:{i}\"")).collect::<Vec<_>>().join(",")
+            )),
+            field: "active_policy_update.policy.inbound_rules[0]",
+        },
+        Case {
+            what: "IP set id of 70,000 characters (cut short in the reason)",
+            json: format!(r#"{{"ipsetUpdate":{{"id":"{}","members":[]}}}}"#, "a".repeat(70_000)),
+            field: "ipset_update.id",
+        },
     ]
 }
 

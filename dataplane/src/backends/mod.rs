@@ -151,6 +151,10 @@ impl BackendError {
                 source: nftables::netlink::NftError::Refused { source, .. },
                 ..
             } => !source.raw_os_error().is_some_and(permanent_errno),
+            Self::Nftables {
+                source: nftables::netlink::NftError::TooLarge { .. },
+                ..
+            } => false,
             Self::Scripted { permanent, .. } => !permanent,
             _ => true,
         }

@@ -195,6 +195,34 @@ impl Rule {
 
     /// Cross-field checks, run after the fields are parsed.
     pub fn check(&self) -> Valid<()> {
+        let inline = [
+            &self.src_ip_set_ids,
+            &self.dst_ip_set_ids,
+            &self.dst_ip_port_set_ids,
+            &self.src_named_port_ip_set_ids,
+            &self.dst_named_port_ip_set_ids,
+            &self.not_src_ip_set_ids,
+            &self.not_dst_ip_set_ids,
+            &self.not_src_named_port_ip_set_ids,
+            &self.not_dst_named_port_ip_set_ids,
+        ]
+        .iter()
+        .map(|l| l.len())
+        .sum::<usize>()
+            + self.not_src_net.len()
+            + self.not_dst_net.len()
+            + self.not_src_ports.len()
+            + self.not_dst_ports.len();
+        if inline > MAX_INLINE_MATCHES {
+            return Err(ValidationError::new(
+                "",
+                format!(
+                    "{inline} IP sets, negated nets and negated ports, which must all hold in one \
+                     rule; at most {MAX_INLINE_MATCHES} (nf_tables and iptables take a rule of at \
+                     most 64 KiB)"
+                ),
+            ));
+        }
         let has_ports = !(self.src_ports.is_empty()
             && self.dst_ports.is_empty()
             && self.not_src_ports.is_empty()
@@ -233,6 +261,13 @@ impl Rule {
         Ok(())
     }
 }
+
+/// The most matches that must all hold in one rendered rule (its IP
+/// sets, negated nets and negated ports): each is a match of the same
+/// rule (a list of positive nets or ports becomes one rule per
+/// alternative instead), and a rule must fit the kernel's 64 KiB. Calico's
+/// rules name a few.
+pub const MAX_INLINE_MATCHES: usize = 64;
 
 /// `Policy`.
 #[derive(Debug, Clone, PartialEq, Default)]

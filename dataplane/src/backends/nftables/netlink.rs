@@ -97,6 +97,10 @@ pub enum NftError {
     },
     #[error("nf_tables: {0}")]
     Protocol(String),
+    /// A change too big for a netlink attribute (64 KiB): not sent. The
+    /// same change fails the same way.
+    #[error("{op}: an attribute of {len} bytes; netlink takes at most 65535")]
+    TooLarge { op: String, len: usize },
     /// Commits (ours or another agent's) kept changing what a dump walks;
     /// a later read can succeed.
     #[error("nf_tables dump interrupted by commits {tries} times in a row")]
@@ -270,6 +274,7 @@ impl NftNetlink {
             return Ok(());
         }
         let nft = |m: u16| (NFNL_SUBSYS_NFTABLES << 8) | m;
+        let _ = take_oversized(); // none of ours
         let mut batch = message(
             NFNL_MSG_BATCH_BEGIN,
             NLM_F_REQUEST,
@@ -288,219 +293,14 @@ impl NftNetlink {
                 let seq = first.wrapping_add(of_seq.len() as u32);
                 of_seq.push(i);
                 let mut a = Vec::new();
-                let (ty, flags, family) = match chunk.as_ref() {
-                    Op::AddTable { family, table } => {
-                        attr_str(&mut a, NFTA_TABLE_NAME, table);
-                        (NFT_MSG_NEWTABLE, NLM_F_CREATE, *family)
-                    }
-                    Op::DestroyTable { family, table } => {
-                        attr_str(&mut a, NFTA_TABLE_NAME, table);
-                        (NFT_MSG_DESTROYTABLE, 0, *family)
-                    }
-                    Op::AddSet {
-                        family,
-                        table,
-                        set,
-                        key,
-                        interval,
-                    } => {
-                        let (ty, len) = key.code();
-                        attr_str(&mut a, NFTA_SET_TABLE, table);
-                        attr_str(&mut a, NFTA_SET_NAME, set);
-                        let flags = if *interval { NFT_SET_INTERVAL } else { 0 };
-                        attr_u32(&mut a, NFTA_SET_FLAGS, flags);
-                        attr_u32(&mut a, NFTA_SET_KEY_TYPE, ty);
-                        attr_u32(&mut a, NFTA_SET_KEY_LEN, len);
-                        attr_u32(&mut a, NFTA_SET_ID, seq);
-                        (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
-                    }
-                    Op::DestroySet { family, table, set } => {
-                        attr_str(&mut a, NFTA_SET_TABLE, table);
-                        attr_str(&mut a, NFTA_SET_NAME, set);
-                        (NFT_MSG_DESTROYSET, 0, *family)
-                    }
-                    Op::AddVerdictMap {
-                        family,
-                        table,
-                        map,
-                        key,
-                    } => {
-                        let (ty, len) = key.code();
-                        attr_str(&mut a, NFTA_SET_TABLE, table);
-                        attr_str(&mut a, NFTA_SET_NAME, map);
-                        attr_u32(&mut a, NFTA_SET_FLAGS, NFT_SET_MAP);
-                        attr_u32(&mut a, NFTA_SET_KEY_TYPE, ty);
-                        attr_u32(&mut a, NFTA_SET_KEY_LEN, len);
-                        attr_u32(&mut a, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-                        attr_u32(&mut a, NFTA_SET_ID, seq);
-                        // For `nft` to print the keys: their byte order in
-                        // its user data (libnftnl's KEYBYTEORDER TLV).
-                        let mut udata = vec![0u8, 4];
-                        udata.extend(KEY_BYTEORDER.to_ne_bytes());
-                        attr(&mut a, NFTA_SET_USERDATA, &udata);
-                        (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
-                    }
-                    Op::AddVerdicts {
-                        family,
-                        table,
-                        map,
-                        entries,
-                    } => {
-                        attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
-                        attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, map);
-                        nested(&mut a, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
-                            for (k, v) in entries {
-                                nested(b, NFTA_LIST_ELEM, |b| {
-                                    nested(b, NFTA_SET_ELEM_KEY, |b| {
-                                        attr(b, NFTA_DATA_VALUE, &k.bytes());
-                                    });
-                                    nested(b, NFTA_SET_ELEM_DATA, |b| {
-                                        super::expr::verdict_data(b, v)
-                                    });
-                                });
-                            }
-                        });
-                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-                    }
-                    Op::AddElements {
-                        family,
-                        table,
-                        set,
-                        elements,
-                    } => {
-                        let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
-                        elements_attr(&mut a, table, set, &e);
-                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-                    }
-                    Op::AddRanges {
-                        family,
-                        table,
-                        set,
-                        ranges,
-                    } => {
-                        elements_attr(&mut a, table, set, &range_elements(ranges));
-                        (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-                    }
-                    Op::AddIntervals {
-                        family,
-                        table,
-                        set,
-                        elements,
-                    }
-                    | Op::DestroyIntervals {
-                        family,
-                        table,
-                        set,
-                        elements,
-                    } => {
-                        elements_attr(&mut a, table, set, elements);
-                        if matches!(chunk.as_ref(), Op::AddIntervals { .. }) {
-                            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-                        } else {
-                            (NFT_MSG_DESTROYSETELEM, 0, *family)
-                        }
-                    }
-                    Op::DestroyRanges {
-                        family,
-                        table,
-                        set,
-                        ranges,
-                    } => {
-                        elements_attr(&mut a, table, set, &range_elements(ranges));
-                        (NFT_MSG_DESTROYSETELEM, 0, *family)
-                    }
-                    Op::AddChain {
-                        family,
-                        table,
-                        chain,
-                        base,
-                    } => {
-                        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
-                        attr_str(&mut a, NFTA_CHAIN_NAME, chain);
-                        if let Some(b) = base {
-                            nested(&mut a, NFTA_CHAIN_HOOK, |h| {
-                                attr_u32(h, NFTA_HOOK_HOOKNUM, b.hook as u32);
-                                attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
-                            });
-                            attr_u32(&mut a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
-                            attr_str(
-                                &mut a,
-                                NFTA_CHAIN_TYPE,
-                                if b.nat { "nat" } else { "filter" },
-                            );
-                        }
-                        (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
-                    }
-                    Op::DestroyChain {
-                        family,
-                        table,
-                        chain,
-                    } => {
-                        attr_str(&mut a, NFTA_CHAIN_TABLE, table);
-                        attr_str(&mut a, NFTA_CHAIN_NAME, chain);
-                        (NFT_MSG_DESTROYCHAIN, 0, *family)
-                    }
-                    Op::DeleteRule {
-                        family,
-                        table,
-                        chain,
-                        handle,
-                    } => {
-                        attr_str(&mut a, NFTA_RULE_TABLE, table);
-                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
-                        attr(&mut a, NFTA_RULE_HANDLE, &handle.to_be_bytes());
-                        (NFT_MSG_DELRULE, 0, *family)
-                    }
-                    Op::FlushChain {
-                        family,
-                        table,
-                        chain,
-                    } => {
-                        attr_str(&mut a, NFTA_RULE_TABLE, table);
-                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
-                        (NFT_MSG_DELRULE, 0, *family)
-                    }
-                    Op::AddRule {
-                        family,
-                        table,
-                        chain,
-                        exprs,
-                        comment,
-                    } => {
-                        attr_str(&mut a, NFTA_RULE_TABLE, table);
-                        attr_str(&mut a, NFTA_RULE_CHAIN, chain);
-                        attr(
-                            &mut a,
-                            NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
-                            &super::expr::encode(exprs),
-                        );
-                        if !comment.is_empty() {
-                            // nft's user data: a TLV, type 0 (comment),
-                            // NUL-terminated.
-                            // At most 127 bytes, as nft allows.
-                            let mut end = comment.len().min(127);
-                            while !comment.is_char_boundary(end) {
-                                end -= 1;
-                            }
-                            let mut c = comment.as_bytes()[..end].to_vec();
-                            c.push(0);
-                            let mut udata = vec![0u8, c.len() as u8];
-                            udata.extend(c);
-                            attr(&mut a, NFTA_RULE_USERDATA, &udata);
-                        }
-                        (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, *family)
-                    }
-                    Op::DestroyElements {
-                        family,
-                        table,
-                        set,
-                        elements,
-                    } => {
-                        let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
-                        elements_attr(&mut a, table, set, &e);
-                        (NFT_MSG_DESTROYSETELEM, 0, *family)
-                    }
-                };
+                let (ty, flags, family) = encode_change(chunk.as_ref(), seq, &mut a);
+                if let Some(len) = take_oversized() {
+                    // Nothing is sent: an attribute's length would wrap.
+                    return Err(NftError::TooLarge {
+                        op: describe(op),
+                        len,
+                    });
+                }
                 last = batch.len();
                 batch.extend(message(
                     nft(ty),
@@ -884,9 +684,292 @@ fn comment_of(mut udata: &[u8]) -> String {
     String::new()
 }
 
+/// What a commit of `ops` would send, encoded as [`NftNetlink::commit`]
+/// encodes it (without a socket): the bytes of its messages, or the
+/// change too large to be said. For the fuzz targets and tests.
+pub fn encode(ops: &[Op]) -> Result<Vec<u8>, NftError> {
+    let _ = take_oversized();
+    let mut out = Vec::new();
+    for (i, op) in ops.iter().enumerate() {
+        for chunk in chunks(op) {
+            let mut a = Vec::new();
+            let (ty, flags, family) = encode_change(chunk.as_ref(), i as u32, &mut a);
+            if let Some(len) = take_oversized() {
+                return Err(NftError::TooLarge {
+                    op: describe(op),
+                    len,
+                });
+            }
+            out.extend(message(
+                (NFNL_SUBSYS_NFTABLES << 8) | ty,
+                NLM_F_REQUEST | flags,
+                i as u32,
+                family.number(),
+                0,
+                &a,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// One change of a commit, encoded: its message type, flags and family,
+/// its attributes appended to `a`. `seq` is its message's sequence number
+/// (a new set is named by it within the batch).
+fn encode_change(chunk: &Op, seq: u32, a: &mut Vec<u8>) -> (u16, u16, Family) {
+    match chunk {
+            Op::AddTable { family, table } => {
+                attr_str(a, NFTA_TABLE_NAME, table);
+                (NFT_MSG_NEWTABLE, NLM_F_CREATE, *family)
+            }
+            Op::DestroyTable { family, table } => {
+                attr_str(a, NFTA_TABLE_NAME, table);
+                (NFT_MSG_DESTROYTABLE, 0, *family)
+            }
+            Op::AddSet {
+                family,
+                table,
+                set,
+                key,
+                interval,
+            } => {
+                let (ty, len) = key.code();
+                attr_str(a, NFTA_SET_TABLE, table);
+                attr_str(a, NFTA_SET_NAME, set);
+                let flags = if *interval { NFT_SET_INTERVAL } else { 0 };
+                attr_u32(a, NFTA_SET_FLAGS, flags);
+                attr_u32(a, NFTA_SET_KEY_TYPE, ty);
+                attr_u32(a, NFTA_SET_KEY_LEN, len);
+                attr_u32(a, NFTA_SET_ID, seq);
+                (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+            }
+            Op::DestroySet { family, table, set } => {
+                attr_str(a, NFTA_SET_TABLE, table);
+                attr_str(a, NFTA_SET_NAME, set);
+                (NFT_MSG_DESTROYSET, 0, *family)
+            }
+            Op::AddVerdictMap {
+                family,
+                table,
+                map,
+                key,
+            } => {
+                let (ty, len) = key.code();
+                attr_str(a, NFTA_SET_TABLE, table);
+                attr_str(a, NFTA_SET_NAME, map);
+                attr_u32(a, NFTA_SET_FLAGS, NFT_SET_MAP);
+                attr_u32(a, NFTA_SET_KEY_TYPE, ty);
+                attr_u32(a, NFTA_SET_KEY_LEN, len);
+                attr_u32(a, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+                attr_u32(a, NFTA_SET_ID, seq);
+                // For `nft` to print the keys: their byte order in
+                // its user data (libnftnl's KEYBYTEORDER TLV).
+                let mut udata = vec![0u8, 4];
+                udata.extend(KEY_BYTEORDER.to_ne_bytes());
+                attr(a, NFTA_SET_USERDATA, &udata);
+                (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+            }
+            Op::AddVerdicts {
+                family,
+                table,
+                map,
+                entries,
+            } => {
+                attr_str(a, NFTA_SET_ELEM_LIST_TABLE, table);
+                attr_str(a, NFTA_SET_ELEM_LIST_SET, map);
+                nested(a, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
+                    for (k, v) in entries {
+                        nested(b, NFTA_LIST_ELEM, |b| {
+                            nested(b, NFTA_SET_ELEM_KEY, |b| {
+                                attr(b, NFTA_DATA_VALUE, &k.bytes());
+                            });
+                            nested(b, NFTA_SET_ELEM_DATA, |b| {
+                                super::expr::verdict_data(b, v)
+                            });
+                        });
+                    }
+                });
+                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+            }
+            Op::AddElements {
+                family,
+                table,
+                set,
+                elements,
+            } => {
+                let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+                elements_attr(a, table, set, &e);
+                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+            }
+            Op::AddRanges {
+                family,
+                table,
+                set,
+                ranges,
+            } => {
+                elements_attr(a, table, set, &range_elements(ranges));
+                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+            }
+            Op::AddIntervals {
+                family,
+                table,
+                set,
+                elements,
+            }
+            | Op::DestroyIntervals {
+                family,
+                table,
+                set,
+                elements,
+            } => {
+                elements_attr(a, table, set, elements);
+                if matches!(chunk, Op::AddIntervals { .. }) {
+                    (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+                } else {
+                    (NFT_MSG_DESTROYSETELEM, 0, *family)
+                }
+            }
+            Op::DestroyRanges {
+                family,
+                table,
+                set,
+                ranges,
+            } => {
+                elements_attr(a, table, set, &range_elements(ranges));
+                (NFT_MSG_DESTROYSETELEM, 0, *family)
+            }
+            Op::AddChain {
+                family,
+                table,
+                chain,
+                base,
+            } => {
+                attr_str(a, NFTA_CHAIN_TABLE, table);
+                attr_str(a, NFTA_CHAIN_NAME, chain);
+                if let Some(b) = base {
+                    nested(a, NFTA_CHAIN_HOOK, |h| {
+                        attr_u32(h, NFTA_HOOK_HOOKNUM, b.hook as u32);
+                        attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
+                    });
+                    attr_u32(a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
+                    attr_str(
+                        a,
+                        NFTA_CHAIN_TYPE,
+                        if b.nat { "nat" } else { "filter" },
+                    );
+                }
+                (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
+            }
+            Op::DestroyChain {
+                family,
+                table,
+                chain,
+            } => {
+                attr_str(a, NFTA_CHAIN_TABLE, table);
+                attr_str(a, NFTA_CHAIN_NAME, chain);
+                (NFT_MSG_DESTROYCHAIN, 0, *family)
+            }
+            Op::DeleteRule {
+                family,
+                table,
+                chain,
+                handle,
+            } => {
+                attr_str(a, NFTA_RULE_TABLE, table);
+                attr_str(a, NFTA_RULE_CHAIN, chain);
+                attr(a, NFTA_RULE_HANDLE, &handle.to_be_bytes());
+                (NFT_MSG_DELRULE, 0, *family)
+            }
+            Op::FlushChain {
+                family,
+                table,
+                chain,
+            } => {
+                attr_str(a, NFTA_RULE_TABLE, table);
+                attr_str(a, NFTA_RULE_CHAIN, chain);
+                (NFT_MSG_DELRULE, 0, *family)
+            }
+            Op::AddRule {
+                family,
+                table,
+                chain,
+                exprs,
+                comment,
+            } => {
+                attr_str(a, NFTA_RULE_TABLE, table);
+                attr_str(a, NFTA_RULE_CHAIN, chain);
+                attr(
+                    a,
+                    NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
+                    &super::expr::encode(exprs),
+                );
+                if !comment.is_empty() {
+                    // nft's user data: a TLV, type 0 (comment),
+                    // NUL-terminated.
+                    // At most 127 bytes, as nft allows.
+                    let mut end = comment.len().min(127);
+                    while !comment.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    let mut c = comment.as_bytes()[..end].to_vec();
+                    c.push(0);
+                    let mut udata = vec![0u8, c.len() as u8];
+                    udata.extend(c);
+                    attr(a, NFTA_RULE_USERDATA, &udata);
+                }
+                (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, *family)
+            }
+            Op::DestroyElements {
+                family,
+                table,
+                set,
+                elements,
+            } => {
+                let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+                elements_attr(a, table, set, &e);
+                (NFT_MSG_DESTROYSETELEM, 0, *family)
+            }
+        }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The widest rule the edge takes (every match that must hold in one
+    /// rule, with the longest set names) fits a netlink attribute; ten
+    /// times as many are refused, never sent with a wrapped length.
+    #[test]
+    fn the_widest_rule_the_edge_takes_fits_and_a_wider_one_is_refused() {
+        let rule = |n: usize| {
+            let mut t = vec!["-p".to_string(), "tcp".into()];
+            for i in 0..n {
+                t.extend(
+                    ["-m", "set", "!", "--match-set"]
+                        .map(String::from)
+                        .into_iter()
+                        .chain([format!("dph40_{i:0>25}"), "src".into()]),
+                );
+            }
+            t.extend(["-j".into(), "DROP".into()]);
+            t.join(" ")
+        };
+        let op = |n: usize| Op::AddRule {
+            family: Family::Ip,
+            table: "dph-filter".into(),
+            chain: "dph-pi-x".into(),
+            exprs: super::super::translate::translate(&rule(n), false)
+                .unwrap()
+                .exprs
+                .clone(),
+            comment: "dph:0123456789abcdef".into(),
+        };
+        let max = crate::model::policy::MAX_INLINE_MATCHES;
+        let bytes = encode(&[op(max)]).unwrap();
+        assert!(bytes.len() < 64 << 10, "{} bytes", bytes.len());
+        let e = encode(&[op(10 * max)]).unwrap_err();
+        assert!(matches!(e, NftError::TooLarge { .. }), "{e}");
+    }
 
     /// A data message of dump `seq` carrying `payload`, flagged `flags`.
     fn data(seq: u32, flags: u16, payload: &[u8]) -> Vec<u8> {

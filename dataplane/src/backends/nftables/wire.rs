@@ -17,10 +17,30 @@ pub(super) const NFNL_SUBSYS_NFTABLES: u16 = 10;
 pub(super) const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 pub(super) const NFNL_MSG_BATCH_END: u16 = 17;
 
-/// Appends attribute `ty` with `payload`, padded to 4 bytes.
+thread_local! {
+    /// The length of an attribute [`attr`] could not write since the last
+    /// [`take_oversized`] on this thread.
+    static OVERSIZED: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The length of an attribute too long for netlink's 16-bit length that
+/// was left out since the last call (on this thread), if any: a message
+/// built meanwhile must not be sent.
+pub(super) fn take_oversized() -> Option<usize> {
+    OVERSIZED.take()
+}
+
+/// Appends attribute `ty` with `payload`, padded to 4 bytes. An attribute
+/// of 64 KiB or more cannot be said (its length is 16 bits): it is left
+/// out and [`take_oversized`] tells, never written with a wrapped length
+/// (the kernel would read garbage after it).
 pub(super) fn attr(buf: &mut Vec<u8>, ty: u16, payload: &[u8]) {
     let len = 4 + payload.len();
-    buf.extend_from_slice(&(len as u16).to_ne_bytes());
+    let Ok(len16) = u16::try_from(len) else {
+        OVERSIZED.set(Some(len));
+        return;
+    };
+    buf.extend_from_slice(&len16.to_ne_bytes());
     buf.extend_from_slice(&ty.to_ne_bytes());
     buf.extend_from_slice(payload);
     buf.resize(buf.len().next_multiple_of(4), 0);
@@ -141,6 +161,20 @@ mod tests {
         assert_eq!(be_u32(get(&a, 5).unwrap()), 4);
         let key = attrs(get(&a, 1).unwrap());
         assert_eq!(get(&key, 1).unwrap(), [10, 0, 0, 1]);
+    }
+
+    #[test]
+    fn an_attribute_past_64_kib_is_refused_not_wrapped() {
+        assert_eq!(take_oversized(), None);
+        let mut b = Vec::new();
+        nested(&mut b, 1, |b| {
+            for _ in 0..700 {
+                attr(b, 2, &[0u8; 96]);
+            }
+        });
+        assert_eq!(take_oversized(), Some(4 + 700 * 100));
+        assert!(b.is_empty(), "nothing written: {} bytes", b.len());
+        assert_eq!(take_oversized(), None);
     }
 
     #[test]
