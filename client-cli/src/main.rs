@@ -68,6 +68,32 @@ struct ConnArgs {
 }
 
 impl ConnArgs {
+    /// For what only reads (status, watch): the socket, else (one that
+    /// may not be written: a user outside its group) the read-only status
+    /// socket beside it.
+    async fn connect_to_read(&self) -> anyhow::Result<DataplaneClient<Channel>> {
+        if self.tcp.is_some() {
+            return self.connect().await;
+        }
+        match client::connect_unix(&self.socket).await {
+            Ok(c) => Ok(c),
+            Err(e) => {
+                let status = client::status_socket(&self.socket);
+                if !status.exists() {
+                    return Err(e)
+                        .context("is `dphandler serve` running, and may you use its socket?");
+                }
+                client::connect_unix(&status).await.with_context(|| {
+                    format!(
+                        "neither {} ({e}) nor its read-only {} answers",
+                        self.socket.display(),
+                        status.display()
+                    )
+                })
+            }
+        }
+    }
+
     async fn connect(&self) -> anyhow::Result<DataplaneClient<Channel>> {
         let Some(addr) = &self.tcp else {
             return client::connect_unix(&self.socket)

@@ -66,7 +66,7 @@ pub fn render(s: &v1::DataplaneStatus) -> String {
 }
 
 pub async fn run(conn: &ConnArgs, args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let mut client = conn.connect().await?;
+    let mut client = conn.connect_to_read().await?;
     let s = client
         .get_status(v1::GetStatusRequest {})
         .await

@@ -60,7 +60,7 @@ fn is_in_sync(update: &v1::StatusUpdate) -> bool {
 }
 
 pub async fn run(conn: &ConnArgs, args: WatchArgs) -> anyhow::Result<ExitCode> {
-    let mut client = conn.connect().await?;
+    let mut client = conn.connect_to_read().await?;
     let mut stream = client
         .status_updates(v1::StatusUpdatesRequest {})
         .await

@@ -784,10 +784,41 @@ fn a_dispatch_map_sends_each_interface_to_its_chain() -> Result<()> {
     Ok(())
 }
 
+/// The ruleset's generation moves with every commit, ours or another
+/// agent's (the multi-object dumps are checked against it).
+#[test]
+fn the_generation_moves_with_every_commit() -> Result<()> {
+    if !privileged() {
+        return Ok(());
+    }
+    let ns = Netns::new("nftgen")?;
+    ns.within(|| -> Result<()> {
+        let mut nl = NftNetlink::open()?;
+        let g0 = nl.generation()?;
+        nl.commit(&[Op::AddTable {
+            family: Family::Ip,
+            table: "dph-gen".into(),
+        }])?;
+        let g1 = nl.generation()?;
+        assert_ne!(g0, g1, "our commit");
+        NftNetlink::open()?.commit(&[Op::AddTable {
+            family: Family::Ip,
+            table: "other".into(),
+        }])?;
+        let g2 = nl.generation()?;
+        assert_ne!(g1, g2, "another agent's commit (its own socket)");
+        assert_eq!(nl.generation()?, g2, "nothing committed");
+        Ok(())
+    })
+}
+
 /// A read while another agent's commits add and remove chains (of a table
 /// listed before ours: the kernel's chain dump walks the whole family, so
 /// each change shifts where a dump goes on) sees each of our chains once:
-/// a dump the kernel flags as interrupted is made again, never taken.
+/// a dump a commit landed in (the generation moved, or the kernel flagged
+/// it) is made again, never taken. (With the kernel's flag alone, one run
+/// in two on CI read 3,001 of 3,000 chains: a commit that lands while a
+/// datagram's part of the dump walks the other table goes unflagged.)
 #[test]
 fn a_dump_interrupted_by_commits_is_made_again() -> Result<()> {
     if !privileged() {
@@ -874,6 +905,9 @@ fn a_dump_interrupted_by_commits_is_made_again() -> Result<()> {
 /// the kernel flags many of those dumps interrupted, and they are taken
 /// as they are, for each goes on by position within the object dumped,
 /// which no commit touched: every read is exactly what the table holds.
+/// The whole-table rule dump is not one of them (another table's commit
+/// can tear it unflagged: taken so, it read none of 300 rules in one run
+/// in five): one a commit landed in is left for the chain-by-chain read.
 #[test]
 fn a_tables_own_dumps_are_whole_whatever_other_tables_do() -> Result<()> {
     use dphandler_dataplane::backends::nftables::read::{Gate, TableReader};

@@ -62,6 +62,16 @@ fn read(path: &Path) -> Result<Vec<u8>, ConnectError> {
     })
 }
 
+/// The daemon's read-only status socket beside its socket `socket`:
+/// `<name>-status.sock` (`/run/dphandler/dataplane-status.sock`).
+pub fn status_socket(socket: &Path) -> std::path::PathBuf {
+    let stem = socket
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    socket.with_file_name(format!("{stem}-status.sock"))
+}
+
 /// Connects over the unix socket at `path`.
 pub async fn connect_unix(path: &Path) -> Result<DataplaneClient<Channel>, ConnectError> {
     let target = path.display().to_string();

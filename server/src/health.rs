@@ -19,7 +19,7 @@ use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::sync::watch;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// What the probes look at.
 #[derive(Debug, Clone)]
@@ -162,25 +162,49 @@ async fn serve_with(
     if let Ok(a) = listener.local_addr() {
         info!(addr = %a, "{what} endpoint listening");
     }
+    // Probes and scrapes are a few at a time: more connections than this
+    // wait in the backlog (each holds a file descriptor and a task).
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of file descriptors (EMFILE, ENFILE) or memory: the
+                // connection waits in the backlog; retrying at once only
+                // spun a core.
+                warn!(error = %e, "{what} endpoint: accept failed; trying again in 100 ms");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let answer = answer.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
                 let r = answer(req.uri().path());
                 async move { Ok::<_, Infallible>(r) }
             });
-            if let Err(e) = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                debug!(%peer, error = %e, "{what} connection");
+            // A client that sends nothing, or too slowly, is let go.
+            let conn = http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HTTP_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), svc);
+            match tokio::time::timeout(HTTP_TIMEOUT * 2, conn).await {
+                Ok(Err(e)) => debug!(%peer, error = %e, "{what} connection"),
+                Ok(Ok(())) => {}
+                Err(_) => debug!(%peer, "{what} connection: too slow, closed"),
             }
         });
     }
 }
+
+/// Connections the health and metrics endpoints serve at once (each).
+const MAX_HTTP_CONNECTIONS: usize = 32;
+/// How long a health or metrics request may take to arrive.
+const HTTP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// `none` turns an address flag off.
 pub fn parse_addr(s: &str) -> Result<Option<SocketAddr>, String> {

@@ -1,8 +1,9 @@
 //! The dphandler daemon: the gRPC service (`grpc`), the connector between
-//! the streams and the sync loop (`connector`), and the unix-socket
-//! listener (`listen`). Handlers validate, convert and enqueue; they never
-//! touch the kernel.
+//! the streams and the sync loop (`connector`), the unix-socket listeners
+//! (`listen`) and who may do what on them (`access`). Handlers validate,
+//! convert and enqueue; they never touch the kernel.
 
+pub mod access;
 pub mod connector;
 pub mod grpc;
 pub mod health;

@@ -1,5 +1,6 @@
-//! The unix-socket listener: mode 0660 (group: `--socket-group`, else the
-//! daemon's), a stale socket file replaced, a live one refused.
+//! The unix-socket listeners: mode 0660 (group: `--socket-group`, else the
+//! daemon's), a stale socket file replaced, a live one refused; the socket
+//! has its owner and mode before anyone can reach it.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -48,6 +49,15 @@ pub fn group(name: &str) -> Result<Gid, ListenError> {
 /// listens on is removed first; a path that is not a socket is never
 /// removed.
 pub async fn bind_unix(path: &Path, group: Option<Gid>) -> Result<UnixListener, ListenError> {
+    bind_unix_mode(path, group, 0o660).await
+}
+
+/// [`bind_unix`] with the socket's `mode`.
+pub async fn bind_unix_mode(
+    path: &Path,
+    group: Option<Gid>,
+    mode: u32,
+) -> Result<UnixListener, ListenError> {
     let shown = path.display().to_string();
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
@@ -69,12 +79,26 @@ pub async fn bind_unix(path: &Path, group: Option<Gid>) -> Result<UnixListener, 
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(format!("inspecting {shown}"))(e)),
     }
-    let listener = UnixListener::bind(path).map_err(io(format!("binding {shown}")))?;
+    // Bound in a directory only we can enter, given its owner and mode
+    // there, then moved into place: at no moment can anyone connect to it
+    // with the mode the umask would have given it.
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let private = tempfile::Builder::new()
+        .prefix(".dphandler-bind-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(dir)
+        .map_err(io(format!(
+            "making a private directory in {}",
+            dir.display()
+        )))?;
+    let staged = private.path().join("s");
+    let listener = UnixListener::bind(&staged).map_err(io(format!("binding {shown}")))?;
     if let Some(gid) = group {
-        chown(path, None, Some(gid))
+        chown(&staged, None, Some(gid))
             .map_err(|e| io(format!("giving {shown} to group {gid}"))(e.into()))?;
     }
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(io(format!("setting mode 0660 on {shown}")))?;
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))
+        .map_err(io(format!("setting mode {mode:o} on {shown}")))?;
+    std::fs::rename(&staged, path).map_err(io(format!("moving the socket to {shown}")))?;
     Ok(listener)
 }

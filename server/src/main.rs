@@ -38,6 +38,7 @@ use dphandler_dataplane::model::{
 use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::wire::raw_server::dataplane_server::DataplaneServer;
+use dphandler_server::access::limit_connections;
 use dphandler_server::limits;
 use dphandler_server::{connector, grpc::DataplaneService, listen};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -93,6 +94,29 @@ struct ServeArgs {
     /// may use the API without root. Default: the daemon's own group.
     #[arg(long, env = "DPH_SOCKET_GROUP")]
     socket_group: Option<String>,
+    /// A second unix socket that only reads (GetStatus, StatusUpdates,
+    /// health, reflection; not ToDataplane), for those who only watch
+    /// (`dphctl status` falls back to it); `none` for none. Default:
+    /// beside --socket, `<name>-status.sock`.
+    #[arg(long, env = "DPH_STATUS_SOCKET")]
+    status_socket: Option<String>,
+    /// Group that owns the status socket (mode 0660). Default:
+    /// --socket-group's.
+    #[arg(long, env = "DPH_STATUS_SOCKET_GROUP")]
+    status_socket_group: Option<String>,
+    /// Connections each listener (unix socket, status socket, TCP) holds
+    /// open at once; more wait in the backlog.
+    #[arg(long, env = "DPH_MAX_CONNECTIONS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    max_connections: u32,
+    /// DNS names (subject alternative names) of which a TCP client's
+    /// certificate must carry one; repeat or separate with commas.
+    /// Default: any certificate the --tls-ca signed.
+    #[arg(
+        long = "tls-client-name",
+        env = "DPH_TLS_CLIENT_NAMES",
+        value_delimiter = ','
+    )]
+    tls_client_names: Vec<String>,
     /// Also listen on TCP at this address (e.g. `0.0.0.0:50051`). Requires
     /// --tls-cert, --tls-key and --tls-ca (clients must present a certificate
     /// signed by that CA) unless --insecure-tcp.
@@ -395,7 +419,10 @@ impl ServeArgs {
                 ServerTlsConfig::new()
                     .identity(Identity::from_pem(read(cert)?, read(key)?))
                     .client_ca_root(Certificate::from_pem(read(ca)?))
-                    .client_auth_optional(false),
+                    .client_auth_optional(false)
+                    // A peer that opens a connection and never finishes
+                    // its handshake lets its slot go.
+                    .timeout(TLS_HANDSHAKE_TIMEOUT),
             )),
             (None, None, None, true) => Ok(None),
             (_, _, _, true) => bail!("--insecure-tcp and --tls-* exclude each other"),
@@ -445,6 +472,13 @@ async fn main() -> anyhow::Result<()> {
         },
     }
 }
+
+/// How long a TCP client has to finish its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// HTTP/2 pings on an idle connection, and how long the answer may take:
+/// a peer that went away without closing frees its slot.
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Exit status of a daemon that panicked (BSD's `EX_SOFTWARE`).
 const PANIC_EXIT: i32 = 70;
@@ -880,6 +914,27 @@ async fn serve(
         (kernel, managers)
     };
     let listener = listen::bind_unix(&args.socket, socket_group).await?;
+    let status_path = match args.status_socket.as_deref() {
+        Some("none") => None,
+        Some(p) => Some(PathBuf::from(p)),
+        None => Some(dphandler_proto::client::status_socket(&args.socket)),
+    };
+    let status_group = match &args.status_socket_group {
+        Some(g) => Some(listen::group(g).context("--status-socket-group")?),
+        None => socket_group,
+    };
+    let status_listener = match &status_path {
+        Some(p) => Some(listen::bind_unix(p, status_group).await?),
+        None => None,
+    };
+    if args.tcp.is_some()
+        && tcp_tls.as_ref().is_some_and(Option::is_some)
+        && args.tls_client_names.is_empty()
+    {
+        warn!(
+            "TCP: any client certificate the --tls-ca signed is accepted; --tls-client-name narrows it to named clients"
+        );
+    }
     let tcp_listener = match args.tcp {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -977,20 +1032,44 @@ async fn serve(
     let stopping = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let builder = || {
+    let max_connections = args.max_connections as usize;
+    let builder = |access: dphandler_server::access::Access| {
         tonic::transport::Server::builder()
             .max_concurrent_streams(Some(args.max_concurrent_streams))
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .layer(GovernorLayer::new(governor.clone()))
+            .layer(access)
     };
-    let unix = builder()
+    let unix = builder(Default::default())
         .add_service(health_svc.clone())
         .add_service(reflection.clone())
         .add_service(reflection_v1alpha.clone())
         .add_service(svc.clone())
         .serve_with_incoming_shutdown(
-            UnixListenerStream::new(listener),
+            limit_connections(UnixListenerStream::new(listener), max_connections),
             stopping(signalled.clone()),
         );
+    let status_server = async {
+        let Some(l) = status_listener else {
+            return Ok(());
+        };
+        info!(socket = %status_path.as_ref().expect("bound").display(), "listening (read-only)");
+        builder(dphandler_server::access::Access {
+            read_only: true,
+            ..Default::default()
+        })
+        .add_service(health_svc.clone())
+        .add_service(reflection.clone())
+        .add_service(reflection_v1alpha.clone())
+        .add_service(svc.clone())
+        .serve_with_incoming_shutdown(
+            limit_connections(UnixListenerStream::new(l), max_connections),
+            stopping(signalled.clone()),
+        )
+        .await
+        .context("gRPC server (status socket)")
+    };
     let tcp = async {
         let (Some(l), Some(tls)) = (tcp_listener, tcp_tls) else {
             return Ok(());
@@ -1004,20 +1083,34 @@ async fn serve(
             warn!(%addr, "listening on TCP WITHOUT TLS (--insecure-tcp): anyone who reaches it controls this dataplane");
         }
         b.max_concurrent_streams(Some(args.max_concurrent_streams))
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .layer(GovernorLayer::new(governor.clone()))
+            .layer(dphandler_server::access::Access {
+                read_only: false,
+                client_names: args.tls_client_names.clone().into(),
+            })
             .add_service(health_svc.clone())
             .add_service(reflection.clone())
             .add_service(reflection_v1alpha.clone())
             .add_service(svc.clone())
             .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true)),
+                limit_connections(
+                    tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true)),
+                    max_connections,
+                ),
                 stopping(signalled.clone()),
             )
             .await
             .context("gRPC server (TCP)")
     };
-    let servers =
-        async { tokio::try_join!(async { unix.await.context("gRPC server (unix)") }, tcp) };
+    let servers = async {
+        tokio::try_join!(
+            async { unix.await.context("gRPC server (unix)") },
+            status_server,
+            tcp
+        )
+    };
     // Streams get a grace period to end cleanly; then we stop anyway.
     let mut grace_rx = signalled.clone();
     let mut loop_task = loop_task;
@@ -1036,10 +1129,16 @@ async fn serve(
     };
     if loop_ended_early {
         let _ = std::fs::remove_file(&args.socket);
+        if let Some(p) = &status_path {
+            let _ = std::fs::remove_file(p);
+        }
         std::process::exit(PANIC_EXIT);
     }
     let _ = stop_tx.send(true);
     let _ = loop_task.await;
     let _ = std::fs::remove_file(&args.socket);
+    if let Some(p) = &status_path {
+        let _ = std::fs::remove_file(p);
+    }
     Ok(())
 }

@@ -72,7 +72,7 @@ pub fn cert(dir: &Path, ca_name: &str, cn: &str) -> Result<()> {
     )?;
     std::fs::write(
         dir.join(format!("{cn}.ext")),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+        format!("subjectAltName=DNS:localhost,DNS:{cn},IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"),
     )?;
     openssl(
         dir,

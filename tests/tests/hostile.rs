@@ -459,13 +459,19 @@ fn cases() -> Vec<Case> {
             what: "rule naming 65 IP sets (a rule past 64 KiB)",
             json: rule(&format!(
                 r#""srcIpSetIds":[{}]"#,
-                (0..65).map(|i| format!("\"s:{i}\"")).collect::<Vec<_>>().join(",")
+                (0..65)
+                    .map(|i| format!("\"s:{i}\""))
+                    .collect::<Vec<_>>()
+                    .join(",")
             )),
             field: "active_policy_update.policy.inbound_rules[0]",
         },
         Case {
             what: "IP set id of 70,000 characters (cut short in the reason)",
-            json: format!(r#"{{"ipsetUpdate":{{"id":"{}","members":[]}}}}"#, "a".repeat(70_000)),
+            json: format!(
+                r#"{{"ipsetUpdate":{{"id":"{}","members":[]}}}}"#,
+                "a".repeat(70_000)
+            ),
             field: "ipset_update.id",
         },
     ]

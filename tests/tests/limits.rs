@@ -252,7 +252,80 @@ async fn mtls_requires_a_client_certificate_from_the_ca() -> Result<()> {
             .status
             .success()
     );
+
+    // A peer that connects and never says a word is let go when the TLS
+    // handshake times out (10 s); meanwhile it holds only its slot.
+    let mut idle = ns_tcp_connect(&ns, port)?;
+    let t0 = std::time::Instant::now();
+    let mut buf = [0u8; 64];
+    let n = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        idle.read(&mut buf)
+    })
+    .await??;
+    let waited = t0.elapsed();
+    eprintln!("mtls: a silent peer was closed after {waited:?} ({n} bytes)");
+    assert_eq!(n, 0, "closed without a word");
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(20),
+        "{waited:?}"
+    );
+    drop(daemon);
+
+    // With --tls-client-name, only a certificate that names one of them.
+    dphandler_tests::tls::cert(d, "good", "intruder")?;
+    let port = 50052;
+    let _named = Daemon::start(
+        &ns,
+        &d.join("dp2.sock"),
+        &[
+            "--tcp",
+            &format!("127.0.0.1:{port}"),
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--tls-ca",
+            &ca,
+            "--tls-client-name",
+            "feeder.example,client",
+        ],
+    )?;
+    let mut ok = false;
+    for _ in 0..50 {
+        if dphctl_tcp(&ns, d, port, Some(("good", "client")))?
+            .status
+            .success()
+        {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the named client gets through");
+    let out = dphctl_tcp(&ns, d, port, Some(("good", "intruder")))?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an unnamed certificate got through");
+    assert!(err.contains("names none of"), "{err}");
     Ok(())
+}
+
+/// A TCP connection to `port` on the namespace's loopback, from inside
+/// it (a socket made in the namespace: `ip netns exec` runs a helper
+/// that holds the connection open, its stdout the connection's data).
+fn ns_tcp_connect(ns: &Netns, port: u16) -> Result<std::process::ChildStdout> {
+    let mut child = ns
+        .command("python3")
+        .args([
+            "-c",
+            &format!(
+                "import socket,sys\ns=socket.create_connection(('127.0.0.1',{port}))\n\
+                 d=s.recv(64)\nsys.stdout.buffer.write(d)"
+            ),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    Ok(child.stdout.take().expect("piped"))
 }
 
 /// Runs `dphctl --socket <socket> <args>` as uid 65534, with `groups` as
@@ -331,6 +404,65 @@ async fn socket_group_lets_its_members_in() -> Result<()> {
         "{err}"
     );
     assert!(!dir.path().join("other.sock").exists());
+    Ok(())
+}
+
+/// Those who only watch get a read-only socket of their own: `dphctl
+/// status` and `watch` fall back to it; a feed through it is refused.
+#[tokio::test]
+async fn the_status_socket_lets_watchers_read_and_nothing_else() -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if !privileged() {
+        return Ok(());
+    }
+    let dir = tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let socket = dir.path().join("dp.sock");
+    let status = dir.path().join("dp-status.sock");
+    let ns = Netns::new("ssock")?;
+    let d = Daemon::start(
+        &ns,
+        &socket,
+        &["--socket-group", "4242", "--status-socket-group", "4343"],
+    )?;
+    d.connect().await?;
+    let meta = std::fs::metadata(&status)?;
+    assert_eq!(
+        (meta.gid(), meta.permissions().mode() & 0o777),
+        (4343, 0o660)
+    );
+    // A watcher (group 4343 only): status works, through the status socket.
+    let ok = dphctl_as_nobody(&socket, Some("4343"), &["status"], "")?;
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    // It cannot feed: not through the socket (not its group), not through
+    // the status socket (read-only).
+    let push = dphctl_as_nobody(&status, Some("4343"), &["push", "-"], "[{\"inSync\":{}}]")?;
+    let err = String::from_utf8_lossy(&push.stderr);
+    assert!(!push.status.success(), "{err}");
+    assert!(err.contains("read-only"), "{err}");
+    // A feeder (group 4242) feeds as before.
+    let fed = dphctl_as_nobody(
+        &socket,
+        Some("4242"),
+        &["push", "--no-wait", "-"],
+        "[{\"inSync\":{}}]",
+    )?;
+    assert!(
+        fed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fed.stderr)
+    );
+    // Off with `none`; gone with the daemon otherwise.
+    drop(d);
+    assert!(!status.exists(), "removed at exit");
+    let socket2 = dir.path().join("other.sock");
+    let _d = Daemon::start(&ns, &socket2, &["--status-socket", "none"])?;
+    _d.connect().await?;
+    assert!(!dir.path().join("other-status.sock").exists());
     Ok(())
 }
 

@@ -23,6 +23,9 @@ use super::ops::{ChainInfo, Family, Key, Op, RuleInfo, SetInfo, chunks, describe
 use super::wire::*;
 
 // enum nf_tables_msg_types.
+const NFT_MSG_NEWGEN: u16 = 15;
+const NFT_MSG_GETGEN: u16 = 16;
+const NFTA_GEN_ID: u16 = 1;
 const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_NEWCHAIN: u16 = 3;
@@ -384,18 +387,66 @@ impl NftNetlink {
 
     /// A dump that walks more than one object (the tables, or the chains
     /// of every table of the family: the kernel's chain dump does not
-    /// filter by table): every data message's attributes. One that a
-    /// commit interrupted (the kernel flags its messages
-    /// `NLM_F_DUMP_INTR`: an object added or removed meanwhile shifts where
-    /// the dump goes on, so one could be skipped or seen twice) is made
-    /// again, up to [`DUMP_TRIES`] times.
+    /// filter by table): every data message's attributes. One that any
+    /// commit landed in is made again, up to [`DUMP_TRIES`] times: an
+    /// object added or removed meanwhile shifts where the dump goes on, so
+    /// one could be skipped or seen twice.
+    ///
+    /// The kernel's `NLM_F_DUMP_INTR` alone does not tell: it compares the
+    /// ruleset's generation when each datagram's part of the dump begins,
+    /// so a commit that lands while a part walks the tables before ours
+    /// (another agent's chains counted one short, ours then resumed one
+    /// late) goes unflagged. Seen here: 3,001 of 3,000 chains, and a
+    /// table read whose only chain came twice, the second time empty. So
+    /// the generation (`NFT_MSG_GETGEN`) is read before and after, as
+    /// `nft` does for its cache.
     fn dump(&mut self, ty: u16, family: Family, a: &[u8]) -> Result<Vec<Vec<u8>>, NftError> {
         for _ in 0..DUMP_TRIES {
-            if let (out, false) = self.dump_once(ty, family, a)? {
+            let before = self.generation()?;
+            let (out, interrupted) = self.dump_once(ty, family, a)?;
+            if !interrupted && self.generation()? == before {
                 return Ok(out);
             }
         }
         Err(NftError::Interrupted { tries: DUMP_TRIES })
+    }
+
+    /// The ruleset's generation: every commit (anyone's) moves it.
+    pub fn generation(&mut self) -> Result<u32, NftError> {
+        let seq = self.next_seq();
+        let m = message(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+            NLM_F_REQUEST,
+            seq,
+            0,
+            0,
+            &[],
+        );
+        self.sock.send(&m, 0).map_err(NftError::Io)?;
+        loop {
+            let buf = self.recv()?;
+            for m in messages(&buf) {
+                if m.seq != seq {
+                    continue; // a reply to an earlier request
+                }
+                if m.ty == NLMSG_ERROR {
+                    let code = m
+                        .payload
+                        .get(..4)
+                        .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                    if code != 0 {
+                        return Err(NftError::Io(io::Error::from_raw_os_error(-code)));
+                    }
+                    continue;
+                }
+                if m.ty == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN {
+                    let a = attrs(m.payload.get(4..).unwrap_or_default());
+                    return get(&a, NFTA_GEN_ID)
+                        .map(be_u32)
+                        .ok_or_else(|| NftError::Protocol("a generation without its id".into()));
+                }
+            }
+        }
     }
 
     /// A dump of what one object of one table holds (a chain's rules, a
@@ -520,13 +571,17 @@ impl NftNetlink {
     }
 
     /// The rules of `table` in one dump, in each chain's order; `None` if
-    /// a commit interrupted it (one dump of 320,000 rules took minutes with
-    /// one-page datagrams: measured). The dump goes on by position across the
-    /// table's chains, so a rule a commit adds to one chain shifts where
-    /// it goes on in the next (the caller reads chain by chain then); and
-    /// the kernel skips what it sent from the table's first rule on for
-    /// each datagram, so it is for tables of a few thousand rules (a
-    /// shard), not for one of 300,000.
+    /// a commit (anyone's: the generation moved, or the kernel flagged it)
+    /// landed in it (one dump of 320,000 rules took minutes with one-page
+    /// datagrams: measured). A commit to another table can tear it
+    /// without the kernel's flag (the caller reads chain by chain then):
+    /// seen here (6.18), one read in five of a table of 300 rules came
+    /// back unflagged with none of them while another agent added rules
+    /// and chains to its table; with the generation checked, none in 15
+    /// runs of the same test.
+    /// And the kernel skips what it sent from the first rule on for each
+    /// datagram, so it is for tables of a few thousand rules (a shard),
+    /// not for one of 300,000.
     pub fn table_rules(
         &mut self,
         family: Family,
@@ -534,8 +589,10 @@ impl NftNetlink {
     ) -> Result<Option<Vec<RuleInfo>>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_RULE_TABLE, table);
+        let before = self.generation()?;
         let (out, interrupted) = self.dump_once(NFT_MSG_GETRULE, family, &a)?;
-        Ok((!interrupted).then(|| rule_infos(&out, table)))
+        let whole = !interrupted && self.generation()? == before;
+        Ok(whole.then(|| rule_infos(&out, table)))
     }
 
     fn rule_dump(
@@ -718,218 +775,212 @@ pub fn encode(ops: &[Op]) -> Result<Vec<u8>, NftError> {
 /// (a new set is named by it within the batch).
 fn encode_change(chunk: &Op, seq: u32, a: &mut Vec<u8>) -> (u16, u16, Family) {
     match chunk {
-            Op::AddTable { family, table } => {
-                attr_str(a, NFTA_TABLE_NAME, table);
-                (NFT_MSG_NEWTABLE, NLM_F_CREATE, *family)
-            }
-            Op::DestroyTable { family, table } => {
-                attr_str(a, NFTA_TABLE_NAME, table);
-                (NFT_MSG_DESTROYTABLE, 0, *family)
-            }
-            Op::AddSet {
-                family,
-                table,
-                set,
-                key,
-                interval,
-            } => {
-                let (ty, len) = key.code();
-                attr_str(a, NFTA_SET_TABLE, table);
-                attr_str(a, NFTA_SET_NAME, set);
-                let flags = if *interval { NFT_SET_INTERVAL } else { 0 };
-                attr_u32(a, NFTA_SET_FLAGS, flags);
-                attr_u32(a, NFTA_SET_KEY_TYPE, ty);
-                attr_u32(a, NFTA_SET_KEY_LEN, len);
-                attr_u32(a, NFTA_SET_ID, seq);
-                (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
-            }
-            Op::DestroySet { family, table, set } => {
-                attr_str(a, NFTA_SET_TABLE, table);
-                attr_str(a, NFTA_SET_NAME, set);
-                (NFT_MSG_DESTROYSET, 0, *family)
-            }
-            Op::AddVerdictMap {
-                family,
-                table,
-                map,
-                key,
-            } => {
-                let (ty, len) = key.code();
-                attr_str(a, NFTA_SET_TABLE, table);
-                attr_str(a, NFTA_SET_NAME, map);
-                attr_u32(a, NFTA_SET_FLAGS, NFT_SET_MAP);
-                attr_u32(a, NFTA_SET_KEY_TYPE, ty);
-                attr_u32(a, NFTA_SET_KEY_LEN, len);
-                attr_u32(a, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-                attr_u32(a, NFTA_SET_ID, seq);
-                // For `nft` to print the keys: their byte order in
-                // its user data (libnftnl's KEYBYTEORDER TLV).
-                let mut udata = vec![0u8, 4];
-                udata.extend(KEY_BYTEORDER.to_ne_bytes());
-                attr(a, NFTA_SET_USERDATA, &udata);
-                (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
-            }
-            Op::AddVerdicts {
-                family,
-                table,
-                map,
-                entries,
-            } => {
-                attr_str(a, NFTA_SET_ELEM_LIST_TABLE, table);
-                attr_str(a, NFTA_SET_ELEM_LIST_SET, map);
-                nested(a, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
-                    for (k, v) in entries {
-                        nested(b, NFTA_LIST_ELEM, |b| {
-                            nested(b, NFTA_SET_ELEM_KEY, |b| {
-                                attr(b, NFTA_DATA_VALUE, &k.bytes());
-                            });
-                            nested(b, NFTA_SET_ELEM_DATA, |b| {
-                                super::expr::verdict_data(b, v)
-                            });
+        Op::AddTable { family, table } => {
+            attr_str(a, NFTA_TABLE_NAME, table);
+            (NFT_MSG_NEWTABLE, NLM_F_CREATE, *family)
+        }
+        Op::DestroyTable { family, table } => {
+            attr_str(a, NFTA_TABLE_NAME, table);
+            (NFT_MSG_DESTROYTABLE, 0, *family)
+        }
+        Op::AddSet {
+            family,
+            table,
+            set,
+            key,
+            interval,
+        } => {
+            let (ty, len) = key.code();
+            attr_str(a, NFTA_SET_TABLE, table);
+            attr_str(a, NFTA_SET_NAME, set);
+            let flags = if *interval { NFT_SET_INTERVAL } else { 0 };
+            attr_u32(a, NFTA_SET_FLAGS, flags);
+            attr_u32(a, NFTA_SET_KEY_TYPE, ty);
+            attr_u32(a, NFTA_SET_KEY_LEN, len);
+            attr_u32(a, NFTA_SET_ID, seq);
+            (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+        }
+        Op::DestroySet { family, table, set } => {
+            attr_str(a, NFTA_SET_TABLE, table);
+            attr_str(a, NFTA_SET_NAME, set);
+            (NFT_MSG_DESTROYSET, 0, *family)
+        }
+        Op::AddVerdictMap {
+            family,
+            table,
+            map,
+            key,
+        } => {
+            let (ty, len) = key.code();
+            attr_str(a, NFTA_SET_TABLE, table);
+            attr_str(a, NFTA_SET_NAME, map);
+            attr_u32(a, NFTA_SET_FLAGS, NFT_SET_MAP);
+            attr_u32(a, NFTA_SET_KEY_TYPE, ty);
+            attr_u32(a, NFTA_SET_KEY_LEN, len);
+            attr_u32(a, NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+            attr_u32(a, NFTA_SET_ID, seq);
+            // For `nft` to print the keys: their byte order in
+            // its user data (libnftnl's KEYBYTEORDER TLV).
+            let mut udata = vec![0u8, 4];
+            udata.extend(KEY_BYTEORDER.to_ne_bytes());
+            attr(a, NFTA_SET_USERDATA, &udata);
+            (NFT_MSG_NEWSET, NLM_F_CREATE, *family)
+        }
+        Op::AddVerdicts {
+            family,
+            table,
+            map,
+            entries,
+        } => {
+            attr_str(a, NFTA_SET_ELEM_LIST_TABLE, table);
+            attr_str(a, NFTA_SET_ELEM_LIST_SET, map);
+            nested(a, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
+                for (k, v) in entries {
+                    nested(b, NFTA_LIST_ELEM, |b| {
+                        nested(b, NFTA_SET_ELEM_KEY, |b| {
+                            attr(b, NFTA_DATA_VALUE, &k.bytes());
                         });
-                    }
-                });
-                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-            }
-            Op::AddElements {
-                family,
-                table,
-                set,
-                elements,
-            } => {
-                let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
-                elements_attr(a, table, set, &e);
-                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-            }
-            Op::AddRanges {
-                family,
-                table,
-                set,
-                ranges,
-            } => {
-                elements_attr(a, table, set, &range_elements(ranges));
-                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-            }
-            Op::AddIntervals {
-                family,
-                table,
-                set,
-                elements,
-            }
-            | Op::DestroyIntervals {
-                family,
-                table,
-                set,
-                elements,
-            } => {
-                elements_attr(a, table, set, elements);
-                if matches!(chunk, Op::AddIntervals { .. }) {
-                    (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
-                } else {
-                    (NFT_MSG_DESTROYSETELEM, 0, *family)
-                }
-            }
-            Op::DestroyRanges {
-                family,
-                table,
-                set,
-                ranges,
-            } => {
-                elements_attr(a, table, set, &range_elements(ranges));
-                (NFT_MSG_DESTROYSETELEM, 0, *family)
-            }
-            Op::AddChain {
-                family,
-                table,
-                chain,
-                base,
-            } => {
-                attr_str(a, NFTA_CHAIN_TABLE, table);
-                attr_str(a, NFTA_CHAIN_NAME, chain);
-                if let Some(b) = base {
-                    nested(a, NFTA_CHAIN_HOOK, |h| {
-                        attr_u32(h, NFTA_HOOK_HOOKNUM, b.hook as u32);
-                        attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
+                        nested(b, NFTA_SET_ELEM_DATA, |b| super::expr::verdict_data(b, v));
                     });
-                    attr_u32(a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
-                    attr_str(
-                        a,
-                        NFTA_CHAIN_TYPE,
-                        if b.nat { "nat" } else { "filter" },
-                    );
                 }
-                (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
-            }
-            Op::DestroyChain {
-                family,
-                table,
-                chain,
-            } => {
-                attr_str(a, NFTA_CHAIN_TABLE, table);
-                attr_str(a, NFTA_CHAIN_NAME, chain);
-                (NFT_MSG_DESTROYCHAIN, 0, *family)
-            }
-            Op::DeleteRule {
-                family,
-                table,
-                chain,
-                handle,
-            } => {
-                attr_str(a, NFTA_RULE_TABLE, table);
-                attr_str(a, NFTA_RULE_CHAIN, chain);
-                attr(a, NFTA_RULE_HANDLE, &handle.to_be_bytes());
-                (NFT_MSG_DELRULE, 0, *family)
-            }
-            Op::FlushChain {
-                family,
-                table,
-                chain,
-            } => {
-                attr_str(a, NFTA_RULE_TABLE, table);
-                attr_str(a, NFTA_RULE_CHAIN, chain);
-                (NFT_MSG_DELRULE, 0, *family)
-            }
-            Op::AddRule {
-                family,
-                table,
-                chain,
-                exprs,
-                comment,
-            } => {
-                attr_str(a, NFTA_RULE_TABLE, table);
-                attr_str(a, NFTA_RULE_CHAIN, chain);
-                attr(
-                    a,
-                    NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
-                    &super::expr::encode(exprs),
-                );
-                if !comment.is_empty() {
-                    // nft's user data: a TLV, type 0 (comment),
-                    // NUL-terminated.
-                    // At most 127 bytes, as nft allows.
-                    let mut end = comment.len().min(127);
-                    while !comment.is_char_boundary(end) {
-                        end -= 1;
-                    }
-                    let mut c = comment.as_bytes()[..end].to_vec();
-                    c.push(0);
-                    let mut udata = vec![0u8, c.len() as u8];
-                    udata.extend(c);
-                    attr(a, NFTA_RULE_USERDATA, &udata);
-                }
-                (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, *family)
-            }
-            Op::DestroyElements {
-                family,
-                table,
-                set,
-                elements,
-            } => {
-                let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
-                elements_attr(a, table, set, &e);
+            });
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+        }
+        Op::AddElements {
+            family,
+            table,
+            set,
+            elements,
+        } => {
+            let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+            elements_attr(a, table, set, &e);
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+        }
+        Op::AddRanges {
+            family,
+            table,
+            set,
+            ranges,
+        } => {
+            elements_attr(a, table, set, &range_elements(ranges));
+            (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+        }
+        Op::AddIntervals {
+            family,
+            table,
+            set,
+            elements,
+        }
+        | Op::DestroyIntervals {
+            family,
+            table,
+            set,
+            elements,
+        } => {
+            elements_attr(a, table, set, elements);
+            if matches!(chunk, Op::AddIntervals { .. }) {
+                (NFT_MSG_NEWSETELEM, NLM_F_CREATE, *family)
+            } else {
                 (NFT_MSG_DESTROYSETELEM, 0, *family)
             }
         }
+        Op::DestroyRanges {
+            family,
+            table,
+            set,
+            ranges,
+        } => {
+            elements_attr(a, table, set, &range_elements(ranges));
+            (NFT_MSG_DESTROYSETELEM, 0, *family)
+        }
+        Op::AddChain {
+            family,
+            table,
+            chain,
+            base,
+        } => {
+            attr_str(a, NFTA_CHAIN_TABLE, table);
+            attr_str(a, NFTA_CHAIN_NAME, chain);
+            if let Some(b) = base {
+                nested(a, NFTA_CHAIN_HOOK, |h| {
+                    attr_u32(h, NFTA_HOOK_HOOKNUM, b.hook as u32);
+                    attr(h, NFTA_HOOK_PRIORITY, &b.priority.to_be_bytes());
+                });
+                attr_u32(a, NFTA_CHAIN_POLICY, u32::from(b.accept_by_default));
+                attr_str(a, NFTA_CHAIN_TYPE, if b.nat { "nat" } else { "filter" });
+            }
+            (NFT_MSG_NEWCHAIN, NLM_F_CREATE, *family)
+        }
+        Op::DestroyChain {
+            family,
+            table,
+            chain,
+        } => {
+            attr_str(a, NFTA_CHAIN_TABLE, table);
+            attr_str(a, NFTA_CHAIN_NAME, chain);
+            (NFT_MSG_DESTROYCHAIN, 0, *family)
+        }
+        Op::DeleteRule {
+            family,
+            table,
+            chain,
+            handle,
+        } => {
+            attr_str(a, NFTA_RULE_TABLE, table);
+            attr_str(a, NFTA_RULE_CHAIN, chain);
+            attr(a, NFTA_RULE_HANDLE, &handle.to_be_bytes());
+            (NFT_MSG_DELRULE, 0, *family)
+        }
+        Op::FlushChain {
+            family,
+            table,
+            chain,
+        } => {
+            attr_str(a, NFTA_RULE_TABLE, table);
+            attr_str(a, NFTA_RULE_CHAIN, chain);
+            (NFT_MSG_DELRULE, 0, *family)
+        }
+        Op::AddRule {
+            family,
+            table,
+            chain,
+            exprs,
+            comment,
+        } => {
+            attr_str(a, NFTA_RULE_TABLE, table);
+            attr_str(a, NFTA_RULE_CHAIN, chain);
+            attr(
+                a,
+                NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
+                &super::expr::encode(exprs),
+            );
+            if !comment.is_empty() {
+                // nft's user data: a TLV, type 0 (comment),
+                // NUL-terminated.
+                // At most 127 bytes, as nft allows.
+                let mut end = comment.len().min(127);
+                while !comment.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let mut c = comment.as_bytes()[..end].to_vec();
+                c.push(0);
+                let mut udata = vec![0u8, c.len() as u8];
+                udata.extend(c);
+                attr(a, NFTA_RULE_USERDATA, &udata);
+            }
+            (NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, *family)
+        }
+        Op::DestroyElements {
+            family,
+            table,
+            set,
+            elements,
+        } => {
+            let e: Vec<_> = elements.iter().map(|e| (*e, false)).collect();
+            elements_attr(a, table, set, &e);
+            (NFT_MSG_DESTROYSETELEM, 0, *family)
+        }
+    }
 }
 
 #[cfg(test)]
