@@ -794,7 +794,8 @@ async fn serve(
             ),
             KeyStore::new(state_dir),
             args.wireguard_impl,
-        ));
+        )
+        .with_own_names([args.wireguard_interface.as_str(), args.wireguard_interface_v6.as_str()]));
         kernel.rules = Some(
             Rules::new(
                 [args.wireguard_table, args.wireguard_table_v6],
@@ -1023,11 +1024,15 @@ async fn serve(
     .max_decoding_message_size(args.max_message_bytes)
     .max_encoding_message_size(args.max_message_bytes);
 
-    // Both listeners stop on the first SIGTERM/SIGINT.
+    // Both listeners stop on the first SIGTERM/SIGINT, and the loop at
+    // once: a stopping daemon changes nothing more (a WireGuard device
+    // that went with it, its wireguard-go killed beside the daemon, was
+    // made again by an apply during the grace period, and outlived it).
     let (signalled_tx, signalled) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         signalled_by.await;
         let _ = signalled_tx.send(true);
+        let _ = stop_tx.send(true);
     });
     let stopping = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -1113,10 +1118,26 @@ async fn serve(
     };
     // Streams get a grace period to end cleanly; then we stop anyway.
     let mut grace_rx = signalled.clone();
-    let mut loop_task = loop_task;
+    // The loop's end, as a watch: looked at while the servers run, and
+    // waited for once they have stopped.
+    let (loop_ended_tx, mut loop_ended) = tokio::sync::watch::channel(None);
+    tokio::spawn(async move {
+        let r = loop_task.await.map_err(|e| e.to_string());
+        let _ = loop_ended_tx.send(Some(r));
+    });
+    let mut loop_early = loop_ended.clone();
+    let loop_signalled = signalled.clone();
+    let loop_watch = async move {
+        let _ = loop_early.wait_for(Option::is_some).await;
+        if *loop_signalled.borrow() {
+            // Stopped as asked: the servers' end is what is waited for.
+            std::future::pending::<()>().await;
+        }
+        loop_early.borrow().clone()
+    };
     let loop_ended_early = tokio::select! {
         r = servers => { r?; false }
-        r = &mut loop_task => {
+        r = loop_watch => {
             // Only a stop ends the loop; anything else is a bug (a panic
             // has ended the process already, see exit_on_panic).
             error!(result = ?r, "the sync loop ended without being asked to: exiting");
@@ -1134,8 +1155,12 @@ async fn serve(
         }
         std::process::exit(PANIC_EXIT);
     }
-    let _ = stop_tx.send(true);
-    let _ = loop_task.await;
+    // The loop was told to stop at the signal; an apply under way ends.
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        loop_ended.wait_for(Option::is_some),
+    )
+    .await;
     let _ = std::fs::remove_file(&args.socket);
     if let Some(p) = &status_path {
         let _ = std::fs::remove_file(p);

@@ -22,6 +22,9 @@ use crate::model::IpVersion;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
+/// The file that names the links this daemon made.
+const LINKS: &str = "wireguard-links";
+
 /// Where the keys live. `None` directory: keys are not kept (tests, or a
 /// daemon told `--state-dir ""`).
 #[derive(Debug, Clone)]
@@ -77,6 +80,41 @@ impl KeyStore {
                 ),
             }),
         }
+    }
+
+    /// The WireGuard links this daemon made (`wireguard-links` in the
+    /// state directory, a name a line): ours to reconfigure and delete
+    /// though a ConfigUpdate named them.
+    pub fn made_links(&self) -> std::collections::BTreeSet<String> {
+        let Some(dir) = &self.dir else {
+            return Default::default();
+        };
+        fs::read_to_string(dir.join(LINKS))
+            .map(|t| t.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
+            .unwrap_or_default()
+    }
+
+    /// Keeps `links` as the ones this daemon made (synced, renamed into
+    /// place; no-op without a directory).
+    pub fn store_made_links(
+        &self,
+        links: &std::collections::BTreeSet<String>,
+    ) -> Result<(), BackendError> {
+        let Some(dir) = &self.dir else {
+            return Ok(());
+        };
+        let p = dir.join(LINKS);
+        let tmp = dir.join(format!("{LINKS}.tmp"));
+        let text: String = links.iter().map(|l| format!("{l}\n")).collect();
+        let write = || -> std::io::Result<()> {
+            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            let mut f = fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            fs::rename(&tmp, &p)?;
+            fs::File::open(dir)?.sync_all()
+        };
+        write().map_err(|e| io(format!("writing {}", p.display()), e))
     }
 
     /// Keeps `key` (no-op without a directory or when the file holds it).

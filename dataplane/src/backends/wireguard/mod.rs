@@ -188,6 +188,14 @@ pub struct Wireguard {
     choice: WgImpl,
     families: [Family; 2],
     events: Vec<(IpVersion, String)>,
+    /// The names that are ours whoever made the link there: the
+    /// operator's (the flags'; Felix's by default).
+    own_names: BTreeSet<String>,
+    /// The links this daemon made (kept in the state directory): ours too
+    /// when a ConfigUpdate's name chose them. Any other link, whatever its
+    /// kind, is never reconfigured or deleted (a ConfigUpdate naming an
+    /// operator's own `wg0`, or a VPN's `tun0`, must not take it over).
+    made: BTreeSet<String>,
 }
 
 fn idx(v: IpVersion) -> usize {
@@ -199,12 +207,43 @@ fn idx(v: IpVersion) -> usize {
 
 impl Wireguard {
     pub fn new(seam: Box<dyn WgSeam>, keys: KeyStore, choice: WgImpl) -> Self {
+        let made = keys.made_links();
         Self {
             seam,
             keys,
             choice,
             families: [Family::new(IpVersion::V4), Family::new(IpVersion::V6)],
             events: Vec::new(),
+            own_names: [crate::model::wireguard::IFACE_V4, crate::model::wireguard::IFACE_V6]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            made,
+        }
+    }
+
+    /// The operator's device names (the flags'), ours whoever made the
+    /// link there.
+    #[must_use]
+    pub fn with_own_names<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        self.own_names = names.into_iter().map(String::from).collect();
+        self
+    }
+
+    /// Whether link `name` is ours to configure and delete.
+    fn is_ours(&self, name: &str) -> bool {
+        self.own_names.contains(name) || self.made.contains(name)
+    }
+
+    /// Records (or forgets) a link this daemon made.
+    fn note_made(&mut self, name: &str, made: bool) {
+        let changed = if made {
+            self.made.insert(name.to_string())
+        } else {
+            self.made.remove(name)
+        };
+        if changed && let Err(e) = self.keys.store_made_links(&self.made) {
+            warn!(error = %e, "cannot keep which WireGuard links this daemon made");
         }
     }
 
@@ -286,11 +325,18 @@ impl Wireguard {
     /// kind under that name is left (and reported).
     fn remove_link(&mut self, name: &str) -> Result<(), BackendError> {
         let Some(l) = self.seam.link(name)? else {
+            self.note_made(name, false);
             return Ok(());
         };
+        if !self.is_ours(name) {
+            warn!(device = name, kind = %l.kind, "not a link this daemon made: left alone");
+            return Ok(());
+        }
         if l.kind == "wireguard" || l.kind == "tun" {
             info!(device = name, kind = %l.kind, "deleting WireGuard device");
-            self.seam.delete(name, l.index)
+            self.seam.delete(name, l.index)?;
+            self.note_made(name, false);
+            Ok(())
         } else {
             warn!(device = name, kind = %l.kind, "not a WireGuard device: left alone");
             Ok(())
@@ -380,6 +426,22 @@ impl Wireguard {
             return Ok(());
         };
         let mut link = self.seam.link(&name)?;
+        if link.is_some() && !self.is_ours(&name) {
+            // Someone else's link under the name a ConfigUpdate chose.
+            let why = format!(
+                "a link named {name} exists that this daemon did not make: it is left alone \
+                 (WireguardInterfaceName must name a link of ours, or none)"
+            );
+            if self.families[i].state != State::Unsupported(why.clone()) {
+                warn!(device = %name, "{why}");
+            }
+            let f = &mut self.families[i];
+            f.state = State::Unsupported(why);
+            f.carrier = None;
+            f.observed = None;
+            self.announce(i, String::new());
+            return Ok(());
+        }
         // Whether a wireguard-go serves a tun is asked when we last lost
         // track (start, resync, link event, failure), not at every apply.
         if let Some(l) = &link
@@ -398,7 +460,10 @@ impl Wireguard {
             None => {
                 self.families[i].trusted = false;
                 match self.create(&name)? {
-                    Ok(c) => info!(device = %name, carrier = c.as_str(), "WireGuard device made"),
+                    Ok(c) => {
+                        info!(device = %name, carrier = c.as_str(), "WireGuard device made");
+                        self.note_made(&name, true);
+                    }
                     Err(why) => {
                         if self.families[i].state != State::Unsupported(why.clone()) {
                             warn!(device = %name, reason = %why, "WireGuard is not supported here");

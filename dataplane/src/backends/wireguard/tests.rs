@@ -229,3 +229,44 @@ fn a_peer_change_is_written_without_reading_the_device_again() {
     apply(&mut b);
     assert_eq!(f.lock().unwrap().reads, reads + 1);
 }
+
+/// A ConfigUpdate's device name that names a link this daemon did not
+/// make (an operator's own WireGuard, a VPN's tun) leaves it alone: not
+/// reconfigured, not deleted when the name changes again. One the daemon
+/// made under such a name is its own: kept in the state directory across
+/// restarts, and deleted when the name moves on.
+#[test]
+fn a_link_the_daemon_did_not_make_is_never_taken_or_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = KeyStore::new(Some(dir.path().to_path_buf()));
+    let f = fake(true, true);
+    f.lock().unwrap().add_link("wg0", "wireguard");
+    f.lock().unwrap().add_link("tun0", "tun");
+    let mut b = backend(&f, keys.clone(), WgImpl::Auto);
+    for foreign in ["wg0", "tun0"] {
+        b.set(IpVersion::V4, foreign, Some(device(1)));
+        apply(&mut b);
+        let st = status(&b);
+        assert!(
+            st["wireguard.v4.device"].contains("did not make"),
+            "{st:?}"
+        );
+        assert!(!f.lock().unwrap().devices.contains_key(foreign), "configured");
+    }
+    // A name of its own: made, then the name moves back and the foreign
+    // links are still there.
+    b.set(IpVersion::V4, "wg-made", Some(device(1)));
+    apply(&mut b);
+    assert!(f.lock().unwrap().links.contains_key("wg-made"));
+    assert_eq!(keys.made_links(), ["wg-made".to_string()].into());
+    // A restarted daemon knows it made it.
+    let mut b = backend(&f, keys.clone(), WgImpl::Auto);
+    b.set(IpVersion::V4, "wg-made", Some(device(1)));
+    apply(&mut b);
+    b.set(IpVersion::V4, "wireguard.cali", Some(device(1)));
+    apply(&mut b);
+    let fk = f.lock().unwrap();
+    assert!(fk.links.contains_key("wg0") && fk.links.contains_key("tun0"), "{:?}", fk.log);
+    assert!(!fk.links.contains_key("wg-made"), "{:?}", fk.log);
+    assert!(keys.made_links().contains("wireguard.cali"));
+}

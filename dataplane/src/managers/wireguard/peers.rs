@@ -90,13 +90,18 @@ impl WireguardManager {
             .iter()
             .map(|(node, (k, ep))| (*k, self.peer(v, node, *ep)))
             .collect();
-        let (overhead, host) = match v {
-            IpVersion::V4 => (OVERHEAD_V4, self.host_mtu()),
-            IpVersion::V6 => (OVERHEAD_V6, self.host_mtu()),
+        // The least MTU the device's family can carry (IPv6 needs 1280).
+        let (overhead, host, least) = match v {
+            IpVersion::V4 => (OVERHEAD_V4, self.host_mtu(), 68),
+            IpVersion::V6 => (OVERHEAD_V6, self.host_mtu(), 1280),
         };
-        let mtu = s
-            .mtu
-            .unwrap_or_else(|| host.unwrap_or(DEFAULT_HOST_MTU) - overhead);
+        // A host interface under the overhead (an MTU of 68 is valid)
+        // gives the least, never a wrapped number.
+        let mtu = s.mtu.unwrap_or_else(|| {
+            host.unwrap_or(DEFAULT_HOST_MTU)
+                .saturating_sub(overhead)
+                .max(least)
+        });
         let addr = self.endpoints[i]
             .get(own.as_str())
             .and_then(|e| e.interface_addr)

@@ -489,3 +489,26 @@ fn a_peers_route_has_a_blackhole_behind_it_once_our_key_is_out() {
     assert!(t.iter().any(|r| r.contains("Unicast")), "{t:?}");
     assert!(!t.iter().any(|r| r.contains("Blackhole")), "{t:?}");
 }
+
+/// A host interface whose MTU is under WireGuard's overhead (68 is a
+/// valid MTU) gives the device the least its family carries, never a
+/// wrapped number.
+#[test]
+fn a_host_mtu_under_the_overhead_gives_the_least_mtu() {
+    let mut m = manager(true);
+    cluster(&mut m);
+    m.on_interface(&InterfaceEvent::Link {
+        index: 2,
+        name: "eth0".into(),
+        up: true,
+        mtu: 68,
+    });
+    m.on_interface(&InterfaceEvent::AddrAdded {
+        index: 2,
+        addr: "192.168.0.1/24".parse().unwrap(),
+    });
+    let mut k = kernel();
+    k.rules = None;
+    m.complete_deferred_work(&mut k).unwrap();
+    assert_eq!(v4(&k).mtu, 68);
+}
