@@ -424,6 +424,9 @@ impl ServeArgs {
                     // its handshake lets its slot go.
                     .timeout(TLS_HANDSHAKE_TIMEOUT),
             )),
+            (None, None, None, true) if !self.tls_client_names.is_empty() => {
+                bail!("--tls-client-name needs TLS (client certificates): not with --insecure-tcp")
+            }
             (None, None, None, true) => Ok(None),
             (_, _, _, true) => bail!("--insecure-tcp and --tls-* exclude each other"),
             (None, None, None, false) => bail!(

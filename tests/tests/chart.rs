@@ -604,6 +604,9 @@ async fn every_value_set_starts_the_daemon() -> Result<()> {
         if let Some(p) = env.get_mut("DPH_PROC_SYS") {
             *p = Some("/proc/sys".into());
         }
+        if let Some(p @ Some(_)) = env.get_mut("DPH_STATUS_SOCKET") {
+            *p = Some(dir.path().join(format!("{name}-watch.sock")).display().to_string());
+        }
         let ns = Netns::new("chartv")?;
         ns.run("ip", &["link", "set", "lo", "up"])?;
         let mut cmd = ns.command(bin("dphandler"));
@@ -654,5 +657,41 @@ async fn every_value_set_starts_the_daemon() -> Result<()> {
         let st = d.stop()?;
         assert!(st.success(), "{name}: {st:?}");
     }
+    Ok(())
+}
+
+/// The pod is held to what it needs: no privilege escalation, the
+/// runtime's seccomp profile, a read-only root filesystem (what it writes
+/// goes to its mounts), a memory limit (a system-node-critical pod without
+/// one would have the kernel kill workloads first). A privileged pod
+/// (wireguard-go's /dev/net/tun) keeps the read-only root and the limit.
+#[test]
+fn the_pod_is_held_to_what_it_needs() -> Result<()> {
+    let Some(tools) = tools() else {
+        return Ok(());
+    };
+    let docs = rendered(&tools, &[])?;
+    let c = container(&docs)?;
+    let sc = &c["securityContext"];
+    assert_eq!(sc["allowPrivilegeEscalation"], Value::Bool(false), "{sc}");
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault", "{sc}");
+    assert_eq!(sc["readOnlyRootFilesystem"], Value::Bool(true), "{sc}");
+    assert_eq!(sc["capabilities"]["drop"][0], "ALL", "{sc}");
+    assert!(c["resources"]["limits"]["memory"].is_string(), "{}", c["resources"]);
+    let mounts: Vec<&str> = c["volumeMounts"]
+        .as_array()
+        .context("mounts")?
+        .iter()
+        .filter_map(|m| m["mountPath"].as_str())
+        .collect();
+    for writable in ["/tmp", "/run/wireguard", "/run/dphandler", "/var/lib/dphandler"] {
+        assert!(mounts.contains(&writable), "{writable} in {mounts:?}");
+    }
+    let path = chart().join("ci").join("privileged-values.yaml");
+    let docs = rendered(&tools, &["-f", path.to_str().context("utf-8")?])?;
+    let c = container(&docs)?;
+    assert_eq!(c["securityContext"]["privileged"], Value::Bool(true));
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], Value::Bool(true));
+    assert!(c["resources"]["limits"]["memory"].is_string());
     Ok(())
 }
