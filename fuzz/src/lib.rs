@@ -5,6 +5,8 @@
 //! runs for a bounded time ([`budget`]). A failing input is shrunk by
 //! proptest and shown; a panic anywhere in a target is a failure.
 
+pub mod node;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -69,6 +71,30 @@ pub const DICTIONARY: &[&str] = &[
     "dph",
     "cali",
     "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+    // Every character an id may hold (what the edge takes, each backend
+    // must program: `~` once passed the edge and failed every apply).
+    "~",
+    "@",
+    "+",
+    "=",
+    ".",
+    "_",
+    "a~b",
+    "s:a~b",
+    // Names at their limits: a 15-byte interface, a 253-byte id.
+    "cali0123456789a",
+    "eth0",
+    "lo",
+    "0.0.0.0/0",
+    "::/0",
+    "127.0.0.1/32",
+    "192.0.2.10/32",
+    "192.0.2.0/24",
+    "9300000000000000000",
+    "86401",
+    "1e400",
+    "0x1",
+    "0xffffffff",
 ];
 
 /// Each target's time: `DPH_FUZZ_SECONDS` (CI: 60), else 5.

@@ -7,9 +7,19 @@
 //! - `render`: messages changed field by field; those the edge and the
 //!   managers accept are rendered by the managers into iptables tables:
 //!   that must succeed, every rule must be made of the tokens
-//!   iptables-restore is given (`[A-Za-z0-9._:/,!=+@%-]`), and every rule
+//!   iptables-restore is given (`[A-Za-z0-9._:/,!=+@%~-]`), and every rule
 //!   must translate to nftables.
 //! - `save`: `iptables-save` and `ipset save` output → our parsers.
+//! - `sequence`: sequences of messages (the corpus's, changed field by
+//!   field, and ConfigUpdates of every key this daemon reads with values
+//!   at and past their bounds) through the edge (the limits on the bytes,
+//!   the decoding, the conversion), the managers' checks, every manager,
+//!   and every backend of a node over recording seams, with the iptables
+//!   or the nftables dataplane: each message is refused at the edge or
+//!   programs — every apply succeeds, nothing is isolated, every restore
+//!   line is made of tool tokens, every nftables commit encodes.
+//! - `netlink`: the nftables encoder on changed commits (refused, never
+//!   wrapped, past 64 KiB) and the netlink dump decoders on any bytes.
 
 use dphandler_dataplane::backends::DesiredKernel;
 use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Table};
@@ -226,9 +236,7 @@ fn allowed_token(t: &str) -> bool {
         .strip_prefix('"')
         .and_then(|t| t.strip_suffix('"'))
         .unwrap_or(t);
-    !t.is_empty()
-        && t.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._:/,!=+@%-".contains(&b))
+    !t.is_empty() && t.bytes().all(dphandler_dataplane::model::is_token_byte)
 }
 
 #[test]
@@ -332,4 +340,299 @@ fn render() {
         "only {accepted} of {} changed messages were accepted",
         ran.cases
     );
+}
+
+/// The keys of a ConfigUpdate this daemon reads, and values for them at
+/// and past their bounds.
+const CONFIG_KEYS: &[&str] = &[
+    "InterfacePrefix",
+    "IptablesMarkMask",
+    "IPForwarding",
+    "IpInIpEnabled",
+    "VXLANEnabled",
+    "VXLANVNI",
+    "VXLANPort",
+    "VXLANMTU",
+    "VXLANMTUV6",
+    "IptablesRefreshInterval",
+    "IpsetsRefreshInterval",
+    "RouteRefreshInterval",
+    "FailsafeInboundHostPorts",
+    "FailsafeOutboundHostPorts",
+    "DefaultEndpointToHostAction",
+    "LogSeverityScreen",
+    "FelixHostname",
+    "WireguardEnabled",
+    "WireguardEnabledV6",
+    "WireguardListeningPort",
+    "WireguardListeningPortV6",
+    "WireguardMTU",
+    "WireguardMTUV6",
+    "WireguardRoutingRulePriority",
+    "WireguardInterfaceName",
+    "WireguardInterfaceNameV6",
+];
+
+const CONFIG_VALUES: &[&str] = &[
+    "0",
+    "1",
+    "-1",
+    "67",
+    "68",
+    "79",
+    "80",
+    "1279",
+    "1280",
+    "65535",
+    "65536",
+    "4294967295",
+    "9300000000000000000",
+    "86400",
+    "86401",
+    "1e400",
+    "NaN",
+    "0.0001",
+    "500ms",
+    "90s",
+    "5m",
+    "25h",
+    "true",
+    "false",
+    "Enabled",
+    "Disabled",
+    "cali",
+    "tap",
+    "eth0",
+    "lo",
+    "wg0",
+    "wireguard.cali",
+    "",
+    "0xffff0000",
+    "0x1",
+    "0xffffffff",
+    "tcp:22",
+    "udp:65536",
+    "none",
+    "Drop",
+    "Accept",
+    "Return",
+    "Debug",
+    "Loud",
+    "node-1",
+    "32765",
+    "32766",
+];
+
+/// A sequence of changed messages through a whole node: each refused at
+/// the edge, or programmed.
+#[test]
+fn sequence() {
+    use dphandler_fuzz::node;
+    let msgs = messages();
+    let values: Vec<serde_json::Value> = msgs
+        .iter()
+        .map(|m| {
+            let json = dphandler_proto::text::to_json("felix.ToDataplane", m).expect("renders");
+            serde_json::from_str(&json).expect("JSON")
+        })
+        .collect();
+    let limits = dphandler_proto::wire::WireLimits::default();
+    let accepted_count = AtomicU64::new(0);
+    let strategy = (
+        any::<bool>(),
+        prop::collection::vec(
+            (
+                0..values.len(),
+                prop::collection::vec((any::<usize>(), any::<usize>()), 0..3),
+            ),
+            1..6,
+        ),
+        prop::collection::vec((0..CONFIG_KEYS.len(), 0..CONFIG_VALUES.len()), 0..4),
+    );
+    let ran = run_for("sequence", strategy, |(nftables, picks, config)| {
+        let faults = node::Faults::default();
+        let mut k = node::kernel(nftables, &faults);
+        let mut ms = node::managers(nftables);
+        for ev in node::interfaces() {
+            for m in &mut ms {
+                m.on_interface(&ev);
+            }
+        }
+        // The case's messages: the corpus's, changed; a ConfigUpdate.
+        let mut wire: Vec<Vec<u8>> = Vec::new();
+        for (i, edits) in &picks {
+            let mut v = values[*i].clone();
+            for (leaf, choice) in edits {
+                let mut all = Vec::new();
+                leaves(&v, &mut Vec::new(), &mut all);
+                if all.is_empty() {
+                    break;
+                }
+                let path = &all[leaf % all.len()];
+                if let Some(slot) = at(&mut v, path) {
+                    *slot = replacement(*choice, slot);
+                }
+            }
+            if let Ok(parsed) = parse_to_dataplane(&v.to_string()) {
+                wire.extend(parsed.iter().map(Message::encode_to_vec));
+            }
+        }
+        if !config.is_empty() {
+            let kv = config
+                .iter()
+                .map(|(k, v)| (CONFIG_KEYS[*k].to_string(), CONFIG_VALUES[*v].to_string()))
+                .collect();
+            wire.push(
+                felix::ToDataplane {
+                    sequence_number: 0,
+                    payload: Some(felix::to_dataplane::Payload::ConfigUpdate(
+                        felix::ConfigUpdate {
+                            config: kv,
+                            ..Default::default()
+                        },
+                    )),
+                }
+                .encode_to_vec(),
+            );
+        }
+        // The corpus's valid messages first (a node with state), then the
+        // case's, each applied as the loop would.
+        let baseline = msgs.iter().map(Message::encode_to_vec);
+        let total = msgs.len();
+        for (n, bytes) in baseline.chain(wire).enumerate() {
+            // The edge: limits on the bytes, decoding, conversion.
+            if dphandler_proto::wire::check(&bytes, &limits).is_err() {
+                continue;
+            }
+            let Ok(m) = felix::ToDataplane::decode(bytes.as_slice()) else {
+                continue;
+            };
+            let Ok(Some(u)) = dphandler_proto::convert::to_update(m) else {
+                continue;
+            };
+            if !node::accepted(&ms, &u) {
+                continue;
+            }
+            if n >= total {
+                accepted_count.fetch_add(1, Ordering::Relaxed);
+            }
+            for m in &mut ms {
+                m.on_update(&u);
+            }
+            if n + 1 < total {
+                continue; // the baseline is applied once, whole
+            }
+            for m in &mut ms {
+                m.resolve_update_batch();
+            }
+            for m in &mut ms {
+                m.complete_deferred_work(&mut k).map_err(|e| {
+                    TestCaseError::fail(format!("accepted, but not rendered: {e}\n{u:?}"))
+                })?;
+            }
+            k.apply_all().map_err(|e| {
+                TestCaseError::fail(format!("accepted, but not applied: {e:?}\n{u:?}"))
+            })?;
+            let isolated: Vec<(String, String)> = ms
+                .iter()
+                .flat_map(|m| m.status())
+                .chain(k.status())
+                .filter(|(key, _)| key.starts_with(dphandler_dataplane::sync_loop::ISOLATED))
+                .collect();
+            if !isolated.is_empty() {
+                return Err(TestCaseError::fail(format!(
+                    "accepted, but isolated: {isolated:?}\n{u:?}"
+                )));
+            }
+            let f = std::mem::take(&mut *faults.lock().unwrap());
+            if !f.is_empty() {
+                return Err(TestCaseError::fail(format!(
+                    "the kernel would refuse: {f:?}\n{u:?}"
+                )));
+            }
+        }
+        Ok(())
+    });
+    let accepted = accepted_count.load(Ordering::Relaxed);
+    eprintln!("sequence: {accepted} changed messages accepted and programmed");
+    assert!(ran.cases > 0 && accepted > 0);
+}
+
+/// The nftables encoder on the commits a node makes, changed (names and
+/// comments made long, elements repeated): an encoding or a refusal,
+/// never a panic, never a wrapped length; and the dump decoders on any
+/// bytes.
+#[test]
+fn netlink() {
+    use dphandler_dataplane::backends::nftables::netlink::{decode_any, encode};
+    use dphandler_dataplane::backends::nftables::ops::Op;
+    use dphandler_fuzz::node;
+    // The commits a node makes for the corpus (recorded by encoding them).
+    let faults = node::Faults::default();
+    let commits = node::Commits::default();
+    let mut k = node::kernel_recording(true, &faults, &commits);
+    let mut ms = node::managers(true);
+    for ev in node::interfaces() {
+        for m in &mut ms {
+            m.on_interface(&ev);
+        }
+    }
+    for u in messages()
+        .into_iter()
+        .filter_map(|m| dphandler_proto::convert::to_update(m).ok().flatten())
+    {
+        if node::accepted(&ms, &u) {
+            for m in &mut ms {
+                m.on_update(&u);
+            }
+        }
+    }
+    for m in &mut ms {
+        m.resolve_update_batch();
+        m.complete_deferred_work(&mut k)
+            .expect("the corpus renders");
+    }
+    k.apply_all().expect("the corpus is programmed");
+    let ops: Vec<Op> = commits.lock().unwrap().clone();
+    assert!(ops.len() > 10, "{} ops", ops.len());
+    let encoded = encode(&ops).expect("the corpus encodes");
+    let inputs: Vec<Vec<u8>> = vec![encoded];
+    let others: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    let ran = run_for(
+        "netlink",
+        (
+            0..ops.len(),
+            0usize..4,
+            0usize..20_000,
+            mutated(inputs.len()),
+        ),
+        |(i, how, n, (j, muts))| {
+            let mut op = ops[i].clone();
+            let long = "x".repeat(n);
+            match (&mut op, how) {
+                (Op::AddRule { comment, .. }, 0) => *comment = long,
+                (Op::AddRule { chain, .. } | Op::AddChain { chain, .. }, 1) => *chain = long,
+                (Op::AddElements { elements, .. }, 2) if !elements.is_empty() => {
+                    let e = elements[0];
+                    elements.extend(std::iter::repeat_n(e, n));
+                }
+                (Op::AddRule { exprs, .. }, 3) if !exprs.is_empty() => {
+                    let e = exprs[0].clone();
+                    exprs.extend(std::iter::repeat_n(e, n / 8));
+                }
+                _ => {}
+            }
+            match encode(std::slice::from_ref(&op)) {
+                Ok(bytes) => {
+                    // Every attribute read back within its message.
+                    let _ = decode_any(&bytes);
+                }
+                Err(e) => prop_assert!(e.to_string().contains("netlink takes at most"), "{e}"),
+            }
+            let bytes = apply(&inputs[j], &muts, &others);
+            let _ = decode_any(&bytes);
+            Ok(())
+        },
+    );
+    assert!(ran.cases > 0);
 }

@@ -790,15 +790,20 @@ async fn serve(
             Box::new(VxlanNetlink::open().context("opening the VXLAN netlink socket")?),
         ));
         let state_dir = (!args.state_dir.as_os_str().is_empty()).then(|| args.state_dir.clone());
-        kernel.wireguard = Some(Wireguard::new(
-            Box::new(
-                WgNetlink::open(args.wireguard_go.clone(), state_dir.clone())
-                    .context("opening the WireGuard netlink socket")?,
-            ),
-            KeyStore::new(state_dir),
-            args.wireguard_impl,
-        )
-        .with_own_names([args.wireguard_interface.as_str(), args.wireguard_interface_v6.as_str()]));
+        kernel.wireguard = Some(
+            Wireguard::new(
+                Box::new(
+                    WgNetlink::open(args.wireguard_go.clone(), state_dir.clone())
+                        .context("opening the WireGuard netlink socket")?,
+                ),
+                KeyStore::new(state_dir),
+                args.wireguard_impl,
+            )
+            .with_own_names([
+                args.wireguard_interface.as_str(),
+                args.wireguard_interface_v6.as_str(),
+            ]),
+        );
         kernel.rules = Some(
             Rules::new(
                 [args.wireguard_table, args.wireguard_table_v6],

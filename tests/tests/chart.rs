@@ -605,7 +605,12 @@ async fn every_value_set_starts_the_daemon() -> Result<()> {
             *p = Some("/proc/sys".into());
         }
         if let Some(p @ Some(_)) = env.get_mut("DPH_STATUS_SOCKET") {
-            *p = Some(dir.path().join(format!("{name}-watch.sock")).display().to_string());
+            *p = Some(
+                dir.path()
+                    .join(format!("{name}-watch.sock"))
+                    .display()
+                    .to_string(),
+            );
         }
         let ns = Netns::new("chartv")?;
         ns.run("ip", &["link", "set", "lo", "up"])?;
@@ -677,21 +682,33 @@ fn the_pod_is_held_to_what_it_needs() -> Result<()> {
     assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault", "{sc}");
     assert_eq!(sc["readOnlyRootFilesystem"], Value::Bool(true), "{sc}");
     assert_eq!(sc["capabilities"]["drop"][0], "ALL", "{sc}");
-    assert!(c["resources"]["limits"]["memory"].is_string(), "{}", c["resources"]);
+    assert!(
+        c["resources"]["limits"]["memory"].is_string(),
+        "{}",
+        c["resources"]
+    );
     let mounts: Vec<&str> = c["volumeMounts"]
         .as_array()
         .context("mounts")?
         .iter()
         .filter_map(|m| m["mountPath"].as_str())
         .collect();
-    for writable in ["/tmp", "/run/wireguard", "/run/dphandler", "/var/lib/dphandler"] {
+    for writable in [
+        "/tmp",
+        "/run/wireguard",
+        "/run/dphandler",
+        "/var/lib/dphandler",
+    ] {
         assert!(mounts.contains(&writable), "{writable} in {mounts:?}");
     }
     let path = chart().join("ci").join("privileged-values.yaml");
     let docs = rendered(&tools, &["-f", path.to_str().context("utf-8")?])?;
     let c = container(&docs)?;
     assert_eq!(c["securityContext"]["privileged"], Value::Bool(true));
-    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], Value::Bool(true));
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"],
+        Value::Bool(true)
+    );
     assert!(c["resources"]["limits"]["memory"].is_string());
     Ok(())
 }

@@ -527,6 +527,19 @@ impl Update {
 mod tests {
     use super::*;
 
+    /// A reason that quotes a long value is cut, saying how long it was.
+    #[test]
+    fn a_long_reason_is_cut() {
+        let e = ValidationError::new("f", format!("{:?} is not an IP", "é".repeat(100_000)));
+        assert!(e.reason.len() < MAX_REASON + 64, "{}", e.reason.len());
+        assert!(
+            e.reason.ends_with("bytes in all)"),
+            "{}",
+            &e.reason[e.reason.len() - 40..]
+        );
+        assert_eq!(ValidationError::new("f", "short").reason, "short");
+    }
+
     /// What the edge accepts in an id, a rule token can hold.
     #[test]
     fn every_id_character_is_a_token_character() {

@@ -509,18 +509,10 @@ impl NftNetlink {
     pub fn sets(&mut self, family: Family, table: &str) -> Result<Vec<SetInfo>, NftError> {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_TABLE, table);
-        Ok(self
-            .dump_within(NFT_MSG_GETSET, family, &a)?
-            .iter()
-            .map(|m| attrs(m))
-            .filter(|a| get(a, NFTA_SET_TABLE).map(string).as_deref() == Some(table))
-            .map(|a| SetInfo {
-                name: get(&a, NFTA_SET_NAME).map(string).unwrap_or_default(),
-                key_type: get(&a, NFTA_SET_KEY_TYPE).map_or(0, be_u32),
-                key_len: get(&a, NFTA_SET_KEY_LEN).map_or(0, be_u32),
-                flags: get(&a, NFTA_SET_FLAGS).map_or(0, be_u32),
-            })
-            .collect())
+        Ok(set_infos(
+            &self.dump_within(NFT_MSG_GETSET, family, &a)?,
+            table,
+        ))
     }
 
     /// The chains of `table`.
@@ -538,25 +530,7 @@ impl NftNetlink {
         &mut self,
         family: Family,
     ) -> Result<BTreeMap<String, Vec<ChainInfo>>, NftError> {
-        let mut out: BTreeMap<String, Vec<ChainInfo>> = BTreeMap::new();
-        for m in self.dump(NFT_MSG_GETCHAIN, family, &[])? {
-            let a = attrs(&m);
-            let Some(table) = get(&a, NFTA_CHAIN_TABLE).map(string) else {
-                continue;
-            };
-            let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
-                let h = attrs(h);
-                (
-                    get(&h, NFTA_HOOK_HOOKNUM).map_or(0, be_u32),
-                    get(&h, NFTA_HOOK_PRIORITY).map_or(0, be_u32) as i32,
-                )
-            });
-            out.entry(table).or_default().push(ChainInfo {
-                name: get(&a, NFTA_CHAIN_NAME).map(string).unwrap_or_default(),
-                hook,
-            });
-        }
-        Ok(out)
+        Ok(chain_infos(&self.dump(NFT_MSG_GETCHAIN, family, &[])?))
     }
 
     /// The rules of one chain, in order (a dump filtered to the chain: its
@@ -681,49 +655,120 @@ impl NftNetlink {
         let mut a = Vec::new();
         attr_str(&mut a, NFTA_SET_ELEM_LIST_TABLE, table);
         attr_str(&mut a, NFTA_SET_ELEM_LIST_SET, set);
-        let mut out = Vec::new();
-        for m in self.dump_within(NFT_MSG_GETSETELEM, family, &a)? {
-            let top = attrs(&m);
-            let Some(list) = get(&top, NFTA_SET_ELEM_LIST_ELEMENTS) else {
+        element_entries(&self.dump_within(NFT_MSG_GETSETELEM, family, &a)?).map_err(|len| {
+            NftError::Protocol(format!(
+                "set {table}/{set}: a key of {len} bytes is none of ours"
+            ))
+        })
+    }
+}
+
+/// The chains of every table in a chain dump's messages, by table.
+fn chain_infos(messages: &[Vec<u8>]) -> BTreeMap<String, Vec<ChainInfo>> {
+    let mut out: BTreeMap<String, Vec<ChainInfo>> = BTreeMap::new();
+    for m in messages {
+        let a = attrs(m);
+        let Some(table) = get(&a, NFTA_CHAIN_TABLE).map(string) else {
+            continue;
+        };
+        let hook = get(&a, NFTA_CHAIN_HOOK).map(|h| {
+            let h = attrs(h);
+            (
+                get(&h, NFTA_HOOK_HOOKNUM).map_or(0, be_u32),
+                get(&h, NFTA_HOOK_PRIORITY).map_or(0, be_u32) as i32,
+            )
+        });
+        out.entry(table).or_default().push(ChainInfo {
+            name: get(&a, NFTA_CHAIN_NAME).map(string).unwrap_or_default(),
+            hook,
+        });
+    }
+    out
+}
+
+/// The sets of `table` in a set dump's messages.
+fn set_infos(messages: &[Vec<u8>], table: &str) -> Vec<SetInfo> {
+    messages
+        .iter()
+        .map(|m| attrs(m))
+        .filter(|a| get(a, NFTA_SET_TABLE).map(string).as_deref() == Some(table))
+        .map(|a| SetInfo {
+            name: get(&a, NFTA_SET_NAME).map(string).unwrap_or_default(),
+            key_type: get(&a, NFTA_SET_KEY_TYPE).map_or(0, be_u32),
+            key_len: get(&a, NFTA_SET_KEY_LEN).map_or(0, be_u32),
+            flags: get(&a, NFTA_SET_FLAGS).map_or(0, be_u32),
+        })
+        .collect()
+}
+
+/// Each element of an element dump's messages: its key, whether it ends
+/// an interval, and (in a verdict map) the chain it goes to; `Err(len)`
+/// for a key of a length none of ours has.
+fn element_entries(messages: &[Vec<u8>]) -> Result<Vec<(Key, bool, Option<String>)>, usize> {
+    let mut out = Vec::new();
+    for m in messages {
+        let top = attrs(m);
+        let Some(list) = get(&top, NFTA_SET_ELEM_LIST_ELEMENTS) else {
+            continue;
+        };
+        for (t, elem) in attrs(list) {
+            if t != NFTA_LIST_ELEM {
+                continue;
+            }
+            let ea = attrs(elem);
+            let Some(key) = get(&ea, NFTA_SET_ELEM_KEY) else {
                 continue;
             };
-            for (t, elem) in attrs(list) {
-                if t != NFTA_LIST_ELEM {
-                    continue;
-                }
-                let ea = attrs(elem);
-                let Some(key) = get(&ea, NFTA_SET_ELEM_KEY) else {
-                    continue;
-                };
-                let end = get(&ea, NFTA_SET_ELEM_FLAGS)
-                    .is_some_and(|f| be_u32(f) & NFT_SET_ELEM_INTERVAL_END != 0);
-                let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
-                    continue;
-                };
-                // A goto's chain; another verdict is none of ours.
-                let goto = get(&ea, NFTA_SET_ELEM_DATA)
-                    .and_then(|d| get(&attrs(d), NFTA_DATA_VERDICT))
-                    .map(|v| {
-                        let va = attrs(v);
-                        let code = get(&va, NFTA_VERDICT_CODE).map(be_u32);
-                        match (code, get(&va, NFTA_VERDICT_CHAIN)) {
-                            (Some(NFT_GOTO), Some(c)) => string(c),
-                            _ => String::new(),
-                        }
-                    });
-                match Key::parse(v) {
-                    Some(k) => out.push((k, end, goto)),
-                    None => {
-                        return Err(NftError::Protocol(format!(
-                            "set {table}/{set}: a key of {} bytes is none of ours",
-                            v.len()
-                        )));
+            let end = get(&ea, NFTA_SET_ELEM_FLAGS)
+                .is_some_and(|f| be_u32(f) & NFT_SET_ELEM_INTERVAL_END != 0);
+            let Some(v) = get(&attrs(key), NFTA_DATA_VALUE) else {
+                continue;
+            };
+            // A goto's chain; another verdict is none of ours.
+            let goto = get(&ea, NFTA_SET_ELEM_DATA)
+                .and_then(|d| get(&attrs(d), NFTA_DATA_VERDICT))
+                .map(|v| {
+                    let va = attrs(v);
+                    let code = get(&va, NFTA_VERDICT_CODE).map(be_u32);
+                    match (code, get(&va, NFTA_VERDICT_CHAIN)) {
+                        (Some(NFT_GOTO), Some(c)) => string(c),
+                        _ => String::new(),
                     }
-                }
-            }
+                });
+            out.push((Key::parse(v).ok_or(v.len())?, end, goto));
         }
-        Ok(out)
     }
+    Ok(out)
+}
+
+/// Takes `buf` as a datagram the kernel sent a reader, through every
+/// decoder the reads use (the datagram's messages, a dump's end, chains,
+/// sets, elements, rules, a generation): for the fuzz targets, which
+/// check that no bytes make one panic. Returns how much was decoded.
+pub fn decode_any(buf: &[u8]) -> usize {
+    let msgs = messages(buf);
+    let mut n = msgs.len();
+    if let Some(first) = msgs.first() {
+        let mut dump = Dump::new(first.seq);
+        if let Some(Ok((out, _))) = dump.take(buf) {
+            n += out.len();
+        }
+    }
+    let payloads: Vec<Vec<u8>> = msgs
+        .iter()
+        .map(|m| m.payload.get(4..).unwrap_or_default().to_vec())
+        .collect();
+    n += chain_infos(&payloads).len();
+    n += set_infos(&payloads, "dph-filter").len();
+    n += element_entries(&payloads).map_or(0, |e| e.len());
+    n += rule_infos(&payloads, "dph-filter").len();
+    for p in &payloads {
+        n += attrs(p).len();
+        if let Some(id) = get(&attrs(p), NFTA_GEN_ID) {
+            n += be_u32(id) as usize & 1;
+        }
+    }
+    n
 }
 
 /// The comment in a rule's user data (nft's TLVs; type 0).

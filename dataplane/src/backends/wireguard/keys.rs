@@ -90,7 +90,13 @@ impl KeyStore {
             return Default::default();
         };
         fs::read_to_string(dir.join(LINKS))
-            .map(|t| t.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect())
+            .map(|t| {
+                t.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -107,7 +113,10 @@ impl KeyStore {
         let tmp = dir.join(format!("{LINKS}.tmp"));
         let text: String = links.iter().map(|l| format!("{l}\n")).collect();
         let write = || -> std::io::Result<()> {
-            fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
             let mut f = fs::File::create(&tmp)?;
             f.write_all(text.as_bytes())?;
             f.sync_all()?;

@@ -214,10 +214,13 @@ impl Wireguard {
             choice,
             families: [Family::new(IpVersion::V4), Family::new(IpVersion::V6)],
             events: Vec::new(),
-            own_names: [crate::model::wireguard::IFACE_V4, crate::model::wireguard::IFACE_V6]
-                .into_iter()
-                .map(String::from)
-                .collect(),
+            own_names: [
+                crate::model::wireguard::IFACE_V4,
+                crate::model::wireguard::IFACE_V6,
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect(),
             made,
         }
     }
