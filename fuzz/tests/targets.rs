@@ -2,7 +2,8 @@
 //! untrusted input must not panic, and what it accepts must render into
 //! rules the kernel tools take.
 //!
-//! - `proto`: bytes → `felix.ToDataplane` → the model (the gRPC path).
+//! - `proto`: bytes → the limits on them → `felix.ToDataplane` → the
+//!   model (the gRPC path).
 //! - `text`: what `dphctl push` reads (JSON, NDJSON, YAML) → messages.
 //! - `render`: messages changed field by field; those the edge and the
 //!   managers accept are rendered by the managers into iptables tables:
@@ -53,9 +54,14 @@ fn messages() -> Vec<felix::ToDataplane> {
 fn proto() {
     let inputs: Vec<Vec<u8>> = messages().iter().map(Message::encode_to_vec).collect();
     let others: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    let limits = dphandler_proto::wire::WireLimits::default();
     let ran = run_for("proto", mutated(inputs.len()), |(i, muts)| {
         let bytes = apply(&inputs[i], &muts, &others);
-        if let Ok(msg) = felix::ToDataplane::decode(bytes.as_slice()) {
+        // As the server takes it: the limits on the bytes, then decoded.
+        let checked = dphandler_proto::wire::check(&bytes, &limits);
+        if checked.is_ok()
+            && let Ok(msg) = felix::ToDataplane::decode(bytes.as_slice())
+        {
             let _ = dphandler_proto::convert::to_update(msg);
         }
         Ok(())

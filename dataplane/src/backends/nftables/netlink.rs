@@ -1062,6 +1062,7 @@ mod tests {
         };
         let max = crate::model::policy::MAX_INLINE_MATCHES;
         let bytes = encode(&[op(max)]).unwrap();
+        eprintln!("a rule of {max} set lookups: {} bytes", bytes.len());
         assert!(bytes.len() < 64 << 10, "{} bytes", bytes.len());
         let e = encode(&[op(10 * max)]).unwrap_err();
         assert!(matches!(e, NftError::TooLarge { .. }), "{e}");
