@@ -22,14 +22,6 @@
 //! - `netlink`: the nftables encoder on changed commits (refused, never
 //!   wrapped, past 64 KiB) and the netlink dump decoders on any bytes.
 
-use dphandler_dataplane::backends::DesiredKernel;
-use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Table};
-use dphandler_dataplane::managers::Manager;
-use dphandler_dataplane::managers::endpoints::{
-    EndpointsConfig, EndpointsManager, default_failsafe,
-};
-use dphandler_dataplane::managers::nat::NatManager;
-use dphandler_dataplane::model::ipsets::SetNames;
 use dphandler_dataplane::model::{IpVersion, Update};
 use dphandler_fuzz::{apply, corpus, mutated, run_for};
 use dphandler_proto::felix;
@@ -117,72 +109,32 @@ fn save() {
 /// rendered): a target whose changes are all refused tests nothing.
 static ACCEPTED: AtomicU64 = AtomicU64::new(0);
 
-/// Reads an empty table, takes every write.
-#[derive(Debug)]
-struct NoKernel;
-
-impl IptablesExec for NoKernel {
-    fn save(&mut self, _: &str) -> Result<String, dphandler_dataplane::backends::BackendError> {
-        Ok(String::new())
-    }
-    fn restore(&mut self, _: &str) -> Result<(), dphandler_dataplane::backends::BackendError> {
-        Ok(())
-    }
+/// Each message in the canonical JSON mapping (what the changes edit).
+fn json_values(msgs: &[felix::ToDataplane]) -> Vec<serde_json::Value> {
+    msgs.iter()
+        .map(|m| {
+            let json = dphandler_proto::text::to_json("felix.ToDataplane", m).expect("renders");
+            serde_json::from_str(&json).expect("JSON")
+        })
+        .collect()
 }
 
-fn kernel() -> DesiredKernel {
-    let mut tables = Vec::new();
-    for v in [IpVersion::V4, IpVersion::V6] {
-        for t in ["raw", "mangle", "nat", "filter"] {
-            tables.push(Table::new(
-                t,
-                v,
-                Ownership::new("dph"),
-                InsertMode::Insert,
-                Box::new(NoKernel),
-            ));
+/// `v` with `edits` made: each (leaf, choice) replaces one leaf (picked
+/// among the leaves as they are then) by [`replacement`].
+fn edited(v: &serde_json::Value, edits: &[(usize, usize)]) -> serde_json::Value {
+    let mut v = v.clone();
+    for (leaf, choice) in edits {
+        let mut all = Vec::new();
+        leaves(&v, &mut Vec::new(), &mut all);
+        if all.is_empty() {
+            break;
+        }
+        let path = &all[leaf % all.len()];
+        if let Some(slot) = at(&mut v, path) {
+            *slot = replacement(*choice, slot);
         }
     }
-    DesiredKernel {
-        tables,
-        ..Default::default()
-    }
-}
-
-fn managers() -> Vec<Box<dyn Manager>> {
-    let names = SetNames::new("dph").expect("a prefix");
-    let (failsafe_in, failsafe_out) = default_failsafe();
-    vec![
-        Box::new(NatManager::new("dph", names.clone())),
-        Box::new(EndpointsManager::new(
-            EndpointsConfig {
-                prefix: "dph".into(),
-                workload_prefix: "cali".into(),
-                marks: Default::default(),
-                failsafe_in,
-                failsafe_out,
-                device_route_protocol: 3,
-                vxlan: Default::default(),
-                vxlan_port: 4789,
-                wireguard: [
-                    dphandler_dataplane::model::wireguard::WgSettings::default_for(IpVersion::V4),
-                    dphandler_dataplane::model::wireguard::WgSettings::default_for(IpVersion::V6),
-                ],
-                endpoint_to_host: Default::default(),
-            },
-            names,
-        )),
-    ]
-}
-
-/// Whether the loop and the managers accept `u` (as the sync loop asks).
-fn accepted(ms: &[Box<dyn Manager>], u: &Update) -> bool {
-    if let Update::Config(kv) = u
-        && dphandler_dataplane::sync_loop::check_config(kv).is_err()
-    {
-        return false;
-    }
-    ms.iter().all(|m| m.check(u).is_ok())
+    v
 }
 
 /// The JSON leaves of `v` (paths into it).
@@ -247,14 +199,9 @@ fn allowed_token(t: &str) -> bool {
 
 #[test]
 fn render() {
+    use dphandler_fuzz::node;
     let msgs = messages();
-    let values: Vec<serde_json::Value> = msgs
-        .iter()
-        .map(|m| {
-            let json = dphandler_proto::text::to_json("felix.ToDataplane", m).expect("renders");
-            serde_json::from_str(&json).expect("JSON")
-        })
-        .collect();
+    let values = json_values(&msgs);
     // The corpus's valid messages, applied before each case.
     let baseline: Vec<Update> = msgs
         .iter()
@@ -274,22 +221,11 @@ fn render() {
         prop::collection::vec((any::<usize>(), any::<usize>()), 1..4),
     );
     let ran = run_for("render", strategy, |(i, edits)| {
-        let mut v = values[i].clone();
-        for (leaf, choice) in &edits {
-            let mut all = Vec::new();
-            leaves(&v, &mut Vec::new(), &mut all);
-            if all.is_empty() {
-                break;
-            }
-            let path = &all[leaf % all.len()];
-            if let Some(slot) = at(&mut v, path) {
-                *slot = replacement(*choice, slot);
-            }
-        }
+        let v = edited(&values[i], &edits);
         let Ok(parsed) = parse_to_dataplane(&v.to_string()) else {
             return Ok(()); // the text target's business
         };
-        let mut ms = managers();
+        let mut ms = node::managers(false);
         let mut updates: Vec<&Update> = baseline.iter().collect();
         let converted: Vec<Update> = parsed
             .into_iter()
@@ -298,7 +234,7 @@ fn render() {
         updates.extend(converted.iter());
         let changed = converted.len();
         for (n, u) in updates.into_iter().enumerate() {
-            if accepted(&ms, u) {
+            if node::accepted(&ms, u) {
                 if n >= baseline.len() && changed > 0 {
                     ACCEPTED.fetch_add(1, Ordering::Relaxed);
                 }
@@ -307,7 +243,8 @@ fn render() {
                 }
             }
         }
-        let mut k = kernel();
+        let faults = node::Faults::default();
+        let mut k = node::kernel(false, &faults);
         for m in &mut ms {
             m.resolve_update_batch();
         }
@@ -348,37 +285,7 @@ fn render() {
     );
 }
 
-/// The keys of a ConfigUpdate this daemon reads, and values for them at
-/// and past their bounds.
-const CONFIG_KEYS: &[&str] = &[
-    "InterfacePrefix",
-    "IptablesMarkMask",
-    "IPForwarding",
-    "IpInIpEnabled",
-    "VXLANEnabled",
-    "VXLANVNI",
-    "VXLANPort",
-    "VXLANMTU",
-    "VXLANMTUV6",
-    "IptablesRefreshInterval",
-    "IpsetsRefreshInterval",
-    "RouteRefreshInterval",
-    "FailsafeInboundHostPorts",
-    "FailsafeOutboundHostPorts",
-    "DefaultEndpointToHostAction",
-    "LogSeverityScreen",
-    "FelixHostname",
-    "WireguardEnabled",
-    "WireguardEnabledV6",
-    "WireguardListeningPort",
-    "WireguardListeningPortV6",
-    "WireguardMTU",
-    "WireguardMTUV6",
-    "WireguardRoutingRulePriority",
-    "WireguardInterfaceName",
-    "WireguardInterfaceNameV6",
-];
-
+/// Values for a ConfigUpdate's keys at and past their bounds.
 const CONFIG_VALUES: &[&str] = &[
     "0",
     "1",
@@ -435,14 +342,9 @@ const CONFIG_VALUES: &[&str] = &[
 fn sequence() {
     use dphandler_fuzz::node;
     let msgs = messages();
-    let values: Vec<serde_json::Value> = msgs
-        .iter()
-        .map(|m| {
-            let json = dphandler_proto::text::to_json("felix.ToDataplane", m).expect("renders");
-            serde_json::from_str(&json).expect("JSON")
-        })
-        .collect();
+    let values = json_values(&msgs);
     let limits = dphandler_proto::wire::WireLimits::default();
+    let config_keys: Vec<&str> = dphandler_dataplane::model::config::known_keys().collect();
     let accepted_count = AtomicU64::new(0);
     let strategy = (
         any::<bool>(),
@@ -453,7 +355,7 @@ fn sequence() {
             ),
             1..6,
         ),
-        prop::collection::vec((0..CONFIG_KEYS.len(), 0..CONFIG_VALUES.len()), 0..4),
+        prop::collection::vec((0..config_keys.len(), 0..CONFIG_VALUES.len()), 0..4),
     );
     let ran = run_for("sequence", strategy, |(nftables, picks, config)| {
         let faults = node::Faults::default();
@@ -467,18 +369,7 @@ fn sequence() {
         // The case's messages: the corpus's, changed; a ConfigUpdate.
         let mut wire: Vec<Vec<u8>> = Vec::new();
         for (i, edits) in &picks {
-            let mut v = values[*i].clone();
-            for (leaf, choice) in edits {
-                let mut all = Vec::new();
-                leaves(&v, &mut Vec::new(), &mut all);
-                if all.is_empty() {
-                    break;
-                }
-                let path = &all[leaf % all.len()];
-                if let Some(slot) = at(&mut v, path) {
-                    *slot = replacement(*choice, slot);
-                }
-            }
+            let v = edited(&values[*i], edits);
             if let Ok(parsed) = parse_to_dataplane(&v.to_string()) {
                 wire.extend(parsed.iter().map(Message::encode_to_vec));
             }
@@ -486,7 +377,7 @@ fn sequence() {
         if !config.is_empty() {
             let kv = config
                 .iter()
-                .map(|(k, v)| (CONFIG_KEYS[*k].to_string(), CONFIG_VALUES[*v].to_string()))
+                .map(|(k, v)| (config_keys[*k].to_string(), CONFIG_VALUES[*v].to_string()))
                 .collect();
             wire.push(
                 felix::ToDataplane {

@@ -307,6 +307,29 @@ fn element_heap(f: &FieldDescriptor, len: usize) -> usize {
     }
 }
 
+/// Counts `by` more elements of repeated field `f` in the message at
+/// `path` and refuses past its [`limit`]; the count so far.
+fn count(
+    counts: &mut HashMap<u32, usize>,
+    f: &FieldDescriptor,
+    by: usize,
+    limits: &WireLimits,
+    path: &[String],
+) -> Result<usize, Walk> {
+    let n = counts.entry(f.number()).or_default();
+    *n = n.saturating_add(by);
+    let (max, what) = limit(f, limits);
+    if *n > max {
+        let mut at = path.to_vec();
+        at.push(f.name().to_string());
+        return Err(Walk::Over(
+            at.join("."),
+            format!("more than {max} {what}; at most {max} allowed"),
+        ));
+    }
+    Ok(*n)
+}
+
 /// Walks one message of `desc`: the decoded bytes it takes beyond its
 /// own struct, or why it must not be decoded.
 fn walk(
@@ -333,17 +356,8 @@ fn walk(
         match (value, f.kind()) {
             (Value::Len(inner), Kind::Message(m)) => {
                 if repeated {
-                    let n = counts.entry(number).or_default();
-                    *n += 1;
-                    let (max, what) = limit(&f, limits);
-                    if *n > max {
-                        path.push(f.name().to_string());
-                        return Err(Walk::Over(
-                            path.join("."),
-                            format!("more than {max} {what}; at most {max} allowed"),
-                        ));
-                    }
-                    path.push(format!("{}[{}]", f.name(), *n - 1));
+                    let n = count(&mut counts, &f, 1, limits, path)?;
+                    path.push(format!("{}[{}]", f.name(), n - 1));
                 } else {
                     path.push(f.name().to_string());
                 }
@@ -366,36 +380,17 @@ fn walk(
                     ));
                 }
                 if repeated {
-                    let n = counts.entry(number).or_default();
-                    *n += 1;
-                    let (max, what) = limit(&f, limits);
-                    if *n > max {
-                        path.push(f.name().to_string());
-                        return Err(Walk::Over(
-                            path.join("."),
-                            format!("more than {max} {what}; at most {max} allowed"),
-                        ));
-                    }
+                    count(&mut counts, &f, 1, limits, path)?;
                 }
                 decoded = decoded.saturating_add(element_heap(&f, inner.len()));
             }
             (Value::Len(inner), _) if repeated => {
                 // Packed scalars: at least one byte each.
-                let n = counts.entry(number).or_default();
-                *n += inner.len();
-                let (max, what) = limit(&f, limits);
-                if *n > max {
-                    path.push(f.name().to_string());
-                    return Err(Walk::Over(
-                        path.join("."),
-                        format!("more than {max} {what}; at most {max} allowed"),
-                    ));
-                }
+                count(&mut counts, &f, inner.len(), limits, path)?;
                 decoded = decoded.saturating_add(inner.len().saturating_mul(8));
             }
             (_, _) if repeated => {
-                let n = counts.entry(number).or_default();
-                *n += 1;
+                count(&mut counts, &f, 1, limits, path)?;
                 decoded = decoded.saturating_add(8);
             }
             _ => {}

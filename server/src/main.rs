@@ -922,7 +922,6 @@ async fn serve(
     } else {
         (kernel, managers)
     };
-    let listener = listen::bind_unix(&args.socket, socket_group).await?;
     let status_path = match args.status_socket.as_deref() {
         Some("none") => None,
         Some(p) => Some(PathBuf::from(p)),
@@ -972,6 +971,11 @@ async fn serve(
         ),
         None => None,
     };
+    // The socket last: a client takes its appearing for "the daemon is
+    // up", and the health and metrics endpoints, the status socket and TCP
+    // are bound by then (a test that probed health as soon as it could
+    // connect found it not yet bound).
+    let listener = listen::bind_unix(&args.socket, socket_group).await?;
     let mut registry = prometheus_client::registry::Registry::with_prefix("dphandler");
     metrics.register(&mut registry);
     let config = dphandler_dataplane::sync_loop::ConfigSettings {

@@ -99,6 +99,12 @@ const OTHERS: &[&str] = &[
     "WireguardInterfaceNameV6",
 ];
 
+/// Every key of a `ConfigUpdate` this daemon reads: [`KEYS`] and the ones
+/// other modules check and apply.
+pub fn known_keys() -> impl Iterator<Item = &'static str> {
+    KEYS.iter().map(|(k, _)| *k).chain(OTHERS.iter().copied())
+}
+
 /// The parsed values of the keys in [`KEYS`] that a `ConfigUpdate` set.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FelixConfig {

@@ -238,6 +238,19 @@ impl Wireguard {
         self.own_names.contains(name) || self.made.contains(name)
     }
 
+    /// Family `i` cannot have its device `name`, for `why` (said once):
+    /// no key is announced.
+    fn unsupported(&mut self, i: usize, name: &str, why: String) {
+        if self.families[i].state != State::Unsupported(why.clone()) {
+            warn!(device = %name, reason = %why, "WireGuard is not supported here");
+        }
+        let f = &mut self.families[i];
+        f.state = State::Unsupported(why);
+        f.carrier = None;
+        f.observed = None;
+        self.announce(i, String::new());
+    }
+
     /// Records (or forgets) a link this daemon made.
     fn note_made(&mut self, name: &str, made: bool) {
         let changed = if made {
@@ -435,14 +448,7 @@ impl Wireguard {
                 "a link named {name} exists that this daemon did not make: it is left alone \
                  (WireguardInterfaceName must name a link of ours, or none)"
             );
-            if self.families[i].state != State::Unsupported(why.clone()) {
-                warn!(device = %name, "{why}");
-            }
-            let f = &mut self.families[i];
-            f.state = State::Unsupported(why);
-            f.carrier = None;
-            f.observed = None;
-            self.announce(i, String::new());
+            self.unsupported(i, &name, why);
             return Ok(());
         }
         // Whether a wireguard-go serves a tun is asked when we last lost
@@ -468,14 +474,7 @@ impl Wireguard {
                         self.note_made(&name, true);
                     }
                     Err(why) => {
-                        if self.families[i].state != State::Unsupported(why.clone()) {
-                            warn!(device = %name, reason = %why, "WireGuard is not supported here");
-                        }
-                        let f = &mut self.families[i];
-                        f.state = State::Unsupported(why);
-                        f.carrier = None;
-                        f.observed = None;
-                        self.announce(i, String::new());
+                        self.unsupported(i, &name, why);
                         return Ok(());
                     }
                 }
