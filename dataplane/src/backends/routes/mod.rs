@@ -138,6 +138,11 @@ pub struct Routes {
     missing_for_neighbours: BTreeSet<String>,
     /// Unexpected routes spared by a grace period, to look at again.
     graced: BTreeSet<RouteKey>,
+    /// Routes the kernel refused as invalid (a write that cannot
+    /// succeed), with the target refused and why: left as they are in
+    /// the kernel (their last good state) until their target changes;
+    /// every other route is written.
+    refused: BTreeMap<RouteKey, (RouteTarget, String)>,
     grace_until: Option<Instant>,
     /// name → index, from the last link dump (and link events since).
     links: Option<HashMap<String, u32>>,
@@ -163,6 +168,7 @@ impl Routes {
             unresolved: BTreeMap::new(),
             missing_for_neighbours: BTreeSet::new(),
             graced: BTreeSet::new(),
+            refused: BTreeMap::new(),
             grace_until: None,
             links: None,
             new_links: HashMap::new(),
@@ -519,6 +525,14 @@ impl Backend for Routes {
             keys.extend(std::mem::take(&mut self.graced));
             self.grace_until = None;
         }
+        // A route the kernel refused is tried again only when what is
+        // wanted of it changes.
+        let refused = std::mem::take(&mut self.refused);
+        self.refused = refused
+            .into_iter()
+            .filter(|(k, (t, _))| self.winner(k) == Some(t))
+            .collect();
+        keys.retain(|k| !self.refused.contains_key(k));
         let neighbours = full || self.neighbours_changed;
         let plan = match self.plan(&observed, &keys, neighbours) {
             Ok(p) => p,
@@ -559,7 +573,26 @@ impl Backend for Routes {
             }
             self.seam.write(&ops)
         };
-        let failed: BTreeSet<usize> = failures.iter().map(|(i, _)| *i).collect();
+        // A route the kernel refused as invalid belongs to that route
+        // alone: it is isolated (reported, left as it is), and the rest is
+        // not failed for it.
+        let (permanent, failures): (Vec<_>, Vec<_>) = failures
+            .into_iter()
+            .partition(|(i, e)| !e.retryable() && matches!(ops[*i], RouteOp::ReplaceRoute(_)));
+        for (i, e) in &permanent {
+            if let RouteOp::ReplaceRoute(r) = &ops[*i]
+                && let Some(t) = self.winner(&r.key).cloned()
+            {
+                warn!(dst = %r.key.dst, table = r.key.table, error = %e, "the kernel refused this route: it is left as it is until it changes (the rest is written)");
+                self.refused.insert(r.key, (t, e.to_string()));
+            }
+        }
+        let permanent: BTreeSet<usize> = permanent.iter().map(|(i, _)| *i).collect();
+        let failed: BTreeSet<usize> = failures
+            .iter()
+            .map(|(i, _)| *i)
+            .chain(permanent.iter().copied())
+            .collect();
         for (i, op) in ops.iter().enumerate() {
             if !failed.contains(&i) {
                 plan::record(&mut observed, op);
@@ -605,6 +638,17 @@ impl Backend for Routes {
             out.push((
                 "kernel.routes.missing_devices".into(),
                 s.missing_devices.join(","),
+            ));
+        }
+        for (k, (_, why)) in &self.refused {
+            out.push((
+                format!(
+                    "{}routes.table{}.{}",
+                    crate::sync_loop::ISOLATED,
+                    k.table,
+                    k.dst
+                ),
+                format!("{why} (left as it is until it changes)"),
             ));
         }
         out

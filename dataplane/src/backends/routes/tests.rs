@@ -17,6 +17,8 @@ struct State {
     writes: Vec<RouteOp>,
     /// Writes that fail (by position among all writes so far).
     fail_at: Option<usize>,
+    /// A route the kernel refuses as invalid (EINVAL), by destination.
+    refuse: Option<String>,
     dumps: usize,
 }
 
@@ -48,6 +50,20 @@ impl RouteSeam for Fake {
                         backend: "routes",
                         call: i,
                         permanent: false,
+                    },
+                ));
+                continue;
+            }
+            if let RouteOp::ReplaceRoute(r) = op
+                && s.refuse.as_deref() == Some(r.key.dst.to_string().as_str())
+            {
+                s.writes.push(op.clone());
+                failed.push((
+                    i,
+                    BackendError::Scripted {
+                        backend: "routes",
+                        call: i,
+                        permanent: true,
                     },
                 ));
                 continue;
@@ -727,4 +743,58 @@ fn a_patch_writes_its_own_routes_and_neighbours() {
             .collect::<Vec<_>>(),
         ["10.65.0.3/32"]
     );
+}
+
+/// A route the kernel refuses as invalid is isolated: the others are
+/// written and the apply succeeds; it is reported and not written again
+/// until what is wanted of it changes.
+#[test]
+fn a_route_the_kernel_refuses_is_isolated_and_the_rest_written() {
+    let k = Fake::with_links(&[(3, "cali1")]);
+    k.0.lock().unwrap().refuse = Some("10.65.0.3/32".into());
+    let mut r = Routes::new(own(), Box::new(k.clone()));
+    r.set(
+        RouteSource::Workloads,
+        [
+            (key("10.65.0.2/32"), dev_route("cali1")),
+            (key("10.65.0.3/32"), dev_route("cali1")),
+        ]
+        .into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert!(k.has("10.65.0.2/32"));
+    assert!(!k.has("10.65.0.3/32"));
+    let st: BTreeMap<String, String> = r.status().into_iter().collect();
+    assert!(
+        st["isolated.routes.table254.10.65.0.3/32"].contains("scripted failure"),
+        "{st:?}"
+    );
+    // Not written again while it stays as it is.
+    k.take_writes();
+    r.set(
+        RouteSource::Workloads,
+        [
+            (key("10.65.0.2/32"), dev_route("cali1")),
+            (key("10.65.0.3/32"), dev_route("cali1")),
+            (key("10.65.0.4/32"), dev_route("cali1")),
+        ]
+        .into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert_eq!(
+        k.take_writes(),
+        vec![replace("10.65.0.4/32", &dev_route("cali1"), Some(3))]
+    );
+    // Changed (and no longer refused): written, no longer reported.
+    k.0.lock().unwrap().refuse = None;
+    r.set(
+        RouteSource::Workloads,
+        [(key("10.65.0.3/32"), blackhole())].into(),
+        BTreeSet::new(),
+    );
+    r.apply(Phase::RoutesAndRules).unwrap();
+    assert!(k.has("10.65.0.3/32"));
+    assert!(!r.status().iter().any(|(k, _)| k.starts_with("isolated.")));
 }
