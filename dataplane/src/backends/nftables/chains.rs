@@ -222,6 +222,10 @@ pub struct ChainTable {
     /// With `all_sets`: only those no other table's rules look up (the
     /// sharded filter: every set is somewhere, a big one once).
     pub(super) spare_sets_only: bool,
+    /// Chains the kernel refused (a commit it refused named one of their
+    /// rules): held as a single drop until their rules change. By name:
+    /// the rules refused, and why.
+    pub(super) quarantined: BTreeMap<String, (Vec<Rule>, String)>,
 }
 
 impl ChainTable {
@@ -241,6 +245,50 @@ impl ChainTable {
             maps: false,
             all_sets: table == "filter",
             spare_sets_only: false,
+            quarantined: BTreeMap::new(),
+        }
+    }
+
+    /// Holds chain `name` fail-closed (a single drop) because the kernel
+    /// refused its rules (`why`); false if there is no such chain or it
+    /// is held already.
+    pub(super) fn quarantine(&mut self, name: &str, why: String) -> bool {
+        if self.quarantined.contains_key(name) {
+            return false;
+        }
+        let Some(wanted) = self.chains.get(name).map(|c| c.rules.clone()) else {
+            return false;
+        };
+        let drop = vec![Rule::parse("-j DROP").expect("a valid rule")];
+        let Ok(chain) = self.build(name, drop) else {
+            return false;
+        };
+        tracing::warn!(
+            table = self.table,
+            chain = name,
+            error = %why,
+            "the kernel refused this chain's rules: it drops everything until they change (the rest is written)"
+        );
+        self.put(name, chain);
+        self.quarantined.insert(name.to_string(), (wanted, why));
+        true
+    }
+
+    /// Whether `rules` are what chain `name` is held fail-closed for
+    /// (setting them again changes nothing); other rules lift the hold.
+    fn still_refused(&mut self, name: &str, rules: &[Rule]) -> bool {
+        match self.quarantined.get(name) {
+            Some((wanted, _)) if wanted.as_slice() == rules => true,
+            Some(_) => {
+                tracing::info!(
+                    table = self.table,
+                    chain = name,
+                    "its rules changed: no longer held fail-closed"
+                );
+                self.quarantined.remove(name);
+                false
+            }
+            None => false,
         }
     }
 
@@ -264,7 +312,7 @@ impl ChainTable {
     /// Sets chain `name` to `chain`, built by [`build`](Self::build) (of
     /// this table or one of the same IP version and maps).
     pub(super) fn put(&mut self, name: &str, chain: DesiredChain) {
-        if self.chains.get(name) == Some(&chain) {
+        if self.chains.get(name) == Some(&chain) || self.still_refused(name, &chain.rules) {
             return;
         }
         // What is programmed depends on the chains a chain jumps to, not
@@ -332,7 +380,9 @@ impl RuleTable for ChainTable {
         if !name.starts_with(&self.own.chain_prefix) || BUILTINS.contains(&name) {
             return Err(RuleError::ChainName(name.to_string()));
         }
-        if self.chains.get(name).map(|c| &c.rules) != Some(&rules) {
+        if self.chains.get(name).map(|c| &c.rules) != Some(&rules)
+            && !self.still_refused(name, &rules)
+        {
             let chain = self.build(name, rules)?;
             self.put(name, chain);
         }
@@ -340,6 +390,7 @@ impl RuleTable for ChainTable {
     }
 
     fn remove_chain(&mut self, name: &str) {
+        self.quarantined.remove(name);
         if let Some(old) = self.chains.remove(name) {
             let n = old.translated.len();
             drop(old);
@@ -383,6 +434,9 @@ impl RuleTable for ChainTable {
     }
 
     fn chain(&self, name: &str) -> Option<&[Rule]> {
+        if let Some((wanted, _)) = self.quarantined.get(name) {
+            return Some(wanted);
+        }
         self.chains.get(name).map(|c| c.rules.as_slice())
     }
 

@@ -807,51 +807,72 @@ impl Backend for Dataplane {
                 backend: self.name(),
                 reason: e.to_string(),
             })?;
-        let p = loop {
-            let observed = self.observed.as_ref().expect("read above");
-            let planned = plan(Input {
-                family,
-                chain_prefix: &self.own.chain_prefix,
-                tables: &self.chain_tables(),
-                sets: &self.sets,
-                observed,
-                contents: self.contents.as_ref(),
-            });
-            match planned {
-                Ok(p) => break p,
-                // A set to write whole whose table was not read: read
-                // them all.
-                Err(PlanError::NeedRead { .. }) if !read_whole => {
-                    self.read()?;
-                    read_whole = true;
+        // A refused commit whose change belongs to one object's chain
+        // holds that chain fail-closed and plans again (nothing of a
+        // refused commit applied): at most this many a time.
+        let mut isolated = 0;
+        let (p, committed, started) = 'isolate: loop {
+            let p = loop {
+                let observed = self.observed.as_ref().expect("read above");
+                let planned = plan(Input {
+                    family,
+                    chain_prefix: &self.own.chain_prefix,
+                    tables: &self.chain_tables(),
+                    sets: &self.sets,
+                    observed,
+                    contents: self.contents.as_ref(),
+                });
+                match planned {
+                    Ok(p) => break p,
+                    // A set to write whole whose table was not read: read
+                    // them all.
+                    Err(PlanError::NeedRead { .. }) if !read_whole => {
+                        self.read()?;
+                        read_whole = true;
+                    }
+                    Err(e) => {
+                        return Err(BackendError::Inconsistent {
+                            backend: self.name(),
+                            reason: e.to_string(),
+                        });
+                    }
                 }
-                Err(e) => {
-                    return Err(BackendError::Inconsistent {
-                        backend: self.name(),
-                        reason: e.to_string(),
-                    });
+            };
+            debug!(
+                elapsed = ?planning.elapsed(),
+                whole = ?p.whole_tables().collect::<Vec<_>>(),
+                tables = p.tables.len(),
+                set_changes = self.sets.changes.len(),
+                "planned"
+            );
+            let started = Instant::now();
+            let n = p.ops.len();
+            let committed = if n > 0 {
+                let (number, committed) = self.gate.commit(|| self.kernel.commit(&p.ops));
+                if self.refresh.is_some() {
+                    self.log_touched(number, &p.ops);
                 }
+                committed
+            } else {
+                Ok(())
+            };
+            if let Err(NftError::Refused {
+                index: Some(i),
+                op,
+                source,
+            }) = &committed
+                && isolated < MAX_ISOLATED_PER_APPLY
+                && p.ops
+                    .get(*i)
+                    .is_some_and(|o| self.isolate(o, format!("nf_tables refused {op}: {source}")))
+            {
+                isolated += 1;
+                continue 'isolate;
             }
+            break (p, committed, started);
         };
-        let whole = p.any_whole();
-        debug!(
-            elapsed = ?planning.elapsed(),
-            whole = ?p.whole_tables().collect::<Vec<_>>(),
-            tables = p.tables.len(),
-            set_changes = self.sets.changes.len(),
-            "planned"
-        );
-        let started = Instant::now();
         let n = p.ops.len();
-        let committed = if n > 0 {
-            let (number, committed) = self.gate.commit(|| self.kernel.commit(&p.ops));
-            if self.refresh.is_some() {
-                self.log_touched(number, &p.ops);
-            }
-            committed
-        } else {
-            Ok(())
-        };
+        let whole = p.any_whole();
         if let Err(e) = committed {
             warn!(error = %e, ops = n, "nftables commit refused; reading back");
             self.observed = None;
@@ -943,14 +964,56 @@ impl Backend for Dataplane {
     }
 
     fn status(&self) -> Vec<(String, String)> {
-        if self.observed.is_none() {
-            return Vec::new();
+        let mut out = Vec::new();
+        for t in self.chain_tables() {
+            for (chain, (_, why)) in &t.quarantined {
+                out.push((
+                    format!(
+                        "{}{}.{}.{chain}",
+                        crate::sync_loop::ISOLATED,
+                        self.name(),
+                        super::plan::table_name(&self.own.chain_prefix, t.table())
+                    ),
+                    format!(
+                        "{why} (fail-closed: the chain drops everything until its rules change)"
+                    ),
+                ));
+            }
         }
-        self.counts.lines.clone()
+        if self.observed.is_some() {
+            out.extend(self.counts.lines.iter().cloned());
+        }
+        out
     }
 }
 
+/// Most chains one apply holds fail-closed before it gives up and fails.
+const MAX_ISOLATED_PER_APPLY: usize = 16;
+
 impl Dataplane {
+    /// Holds the chain change `op` wrote fail-closed, if it is one that
+    /// holds one object's rules alone ([`crate::rules::isolatable`]): a
+    /// policy's, profile's or workload's. False otherwise (a top-level
+    /// chain, a set, a table: the commit fails as before).
+    fn isolate(&mut self, op: &Op, why: String) -> bool {
+        let (table, chain) = match op {
+            Op::AddRule { table, chain, .. }
+            | Op::AddChain { table, chain, .. }
+            | Op::FlushChain { table, chain, .. }
+            | Op::DeleteRule { table, chain, .. } => (table, chain),
+            _ => return false,
+        };
+        if !crate::rules::isolatable(&self.own.chain_prefix, chain) {
+            return false;
+        }
+        let prefix = self.own.chain_prefix.clone();
+        self.tables
+            .iter_mut()
+            .chain(self.filter.tables_mut())
+            .find(|t| super::plan::table_name(&prefix, t.table()) == *table)
+            .is_some_and(|t| t.quarantine(chain, why))
+    }
+
     /// Each table's gauges.
     fn export_tables(&self, m: &crate::metrics::Metrics, v: &crate::metrics::VersionLabel) {
         for t in self.chain_tables() {
@@ -1000,6 +1063,7 @@ mod tests {
                 *refuse -= 1;
                 return Err(NftError::Refused {
                     op: "a rule".into(),
+                    index: None,
                     source: std::io::Error::from_raw_os_error(12),
                 });
             }
@@ -1394,6 +1458,105 @@ mod tests {
             Box::new(fake),
         );
         (d, tx)
+    }
+
+    /// A kernel that refuses every commit that writes a rule other than
+    /// a plain drop into one chain (as one would a rule with an
+    /// expression it lacks).
+    #[derive(Debug)]
+    struct RefusesChain {
+        chain: String,
+        commits: Arc<Mutex<Vec<Vec<Op>>>>,
+    }
+
+    impl NftKernel for RefusesChain {
+        fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
+            let drop = crate::backends::iptables::rule_hashes(
+                &self.chain,
+                &[Rule::parse("-j DROP").unwrap()],
+            );
+            let drop = format!("dph:{}", drop[0].as_str());
+            if let Some(i) = ops.iter().position(|o| {
+                matches!(o, Op::AddRule { chain, comment, .. }
+                    if *chain == self.chain && *comment != drop)
+            }) {
+                return Err(NftError::Refused {
+                    op: super::super::ops::describe(&ops[i]),
+                    index: Some(i),
+                    source: std::io::Error::from_raw_os_error(22),
+                });
+            }
+            self.commits.lock().unwrap().push(ops.to_vec());
+            Ok(())
+        }
+        fn read(&mut self, _: Family, _: &str) -> Result<(Observed, Contents), NftError> {
+            Ok(Default::default())
+        }
+    }
+
+    /// A commit refused for a rule of one policy's chain holds that chain
+    /// fail-closed (a single drop) and commits the rest in the same
+    /// apply; reported until its rules change. A refused rule of a
+    /// top-level chain fails the apply as before.
+    #[test]
+    fn a_chain_the_kernel_refuses_is_held_fail_closed_and_the_rest_committed() {
+        let commits = Arc::new(Mutex::new(Vec::new()));
+        let mut d = Dataplane::new(
+            IpVersion::V4,
+            "dph",
+            SetNames::new("dph").unwrap(),
+            ShardLayout::default(),
+            Box::new(RefusesChain {
+                chain: "dph-pi-bad".into(),
+                commits: Arc::clone(&commits),
+            }),
+        );
+        let r = |s: &str| Rule::parse(s).unwrap();
+        d.filter
+            .set_chain("dph-pi-bad", vec![r("-p tcp -j ACCEPT")])
+            .unwrap();
+        d.filter
+            .set_chain("dph-pi-good", vec![r("-p udp -j ACCEPT")])
+            .unwrap();
+        d.filter
+            .set_hooks("FORWARD", vec![r("-j dph-pi-good"), r("-j dph-pi-bad")])
+            .unwrap();
+        d.apply(Phase::Tables).unwrap();
+        assert_eq!(d.commits(), 1);
+        let committed = commits.lock().unwrap().concat();
+        let rules_of = |chain: &str| {
+            committed
+                .iter()
+                .filter(|o| matches!(o, Op::AddRule { chain: c, .. } if c == chain))
+                .count()
+        };
+        assert_eq!(rules_of("dph-pi-good"), 1);
+        // Held: a single rule (the drop; the kernel took it).
+        assert_eq!(rules_of("dph-pi-bad"), 1);
+        let st: std::collections::BTreeMap<String, String> = d.status().into_iter().collect();
+        let key = "isolated.nftables-v4.dph-filter.dph-pi-bad";
+        assert!(
+            st.get(key).is_some_and(|w| w.contains("fail-closed")),
+            "{st:?}"
+        );
+        // What the managers set is what they see; setting it again
+        // changes nothing.
+        assert_eq!(
+            d.filter.chain("dph-pi-bad").unwrap()[0].text(),
+            "-p tcp -j ACCEPT"
+        );
+        d.filter
+            .set_chain("dph-pi-bad", vec![r("-p tcp -j ACCEPT")])
+            .unwrap();
+        assert!(!d.is_dirty(Phase::Tables));
+        // Rules that change lift it.
+        d.filter
+            .set_chain("dph-pi-bad", vec![r("-p sctp -j ACCEPT")])
+            .unwrap();
+        let e = d.apply(Phase::Tables);
+        // (Still refused: this kernel refuses any rule there; held again.)
+        assert!(e.is_ok(), "{e:?}");
+        assert!(d.status().iter().any(|(k, _)| k == key));
     }
 
     /// A commit the kernel refuses (nothing of it applied) is an error

@@ -95,6 +95,8 @@ pub enum NftError {
     #[error("nf_tables refused {op}: {source}")]
     Refused {
         op: String,
+        /// Which change of the commit (its index in the ops given).
+        index: Option<usize>,
         #[source]
         source: io::Error,
     },
@@ -364,12 +366,13 @@ impl NftNetlink {
                     .get(..4)
                     .map_or(0, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
                 if code != 0 && refused.is_none() {
-                    let op = of_seq
-                        .get(i)
-                        .and_then(|&i| ops.get(i))
+                    let index = of_seq.get(i).copied();
+                    let op = index
+                        .and_then(|i| ops.get(i))
                         .map_or_else(|| format!("seq {seq}"), describe);
                     refused = Some(NftError::Refused {
                         op,
+                        index,
                         source: io::Error::from_raw_os_error(-code),
                     });
                 }
