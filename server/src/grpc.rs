@@ -75,6 +75,14 @@ impl DataplaneService {
         }
     }
 
+    /// The budget of decoded bytes in flight (tests: one small enough to
+    /// spend in two messages).
+    #[cfg(test)]
+    fn with_decoded_in_flight(mut self, bytes: usize) -> Self {
+        self.in_flight = Arc::new(tokio::sync::Semaphore::new(bytes));
+        self
+    }
+
     /// What one message may hold.
     pub fn with_wire_limits(mut self, limits: WireLimits) -> Self {
         self.wire_limits = limits;
@@ -104,6 +112,30 @@ fn decode(raw: RawToDataplane, seq: u64) -> Result<Option<(u64, Update)>, (u64, 
         Ok(u) => Ok(u.map(|u| (seq, u))),
         Err(r) => Err((seq, r.error.field, r.error.reason)),
     }
+}
+
+/// Sends what a stream batched to the loop, with its weight in the budget
+/// of decoded bytes; with nothing batched, drops the weight (rejected
+/// messages weigh nothing once they are answered). False once the loop has
+/// stopped.
+async fn flush(
+    feed: &mpsc::Sender<Feed>,
+    session: u64,
+    batch: &mut Vec<(u64, Update)>,
+    held: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+) -> bool {
+    if batch.is_empty() {
+        *held = None;
+        return true;
+    }
+    let messages = std::mem::replace(batch, Vec::with_capacity(BATCH));
+    feed.send(Feed::Messages {
+        session,
+        messages,
+        held: held.take(),
+    })
+    .await
+    .is_ok()
 }
 
 fn rejected(r: Rejection) -> v1::ToDataplaneReply {
@@ -286,21 +318,9 @@ impl Dataplane for DataplaneService {
                                 // Over the peer's message rate: what is
                                 // batched goes first, then the reader waits
                                 // (the feeder is held back by flow control).
-                                if !batch.is_empty() {
-                                    let messages =
-                                        std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-                                    if reader_feed
-                                        .send(Feed::Messages {
-                                            session,
-                                            messages,
-                                            held: held.take(),
-                                        })
-                                        .await
-                                        .is_err()
-                                    {
-                                        ended = true; // the loop has stopped
-                                        break;
-                                    }
+                                if !flush(&reader_feed, session, &mut batch, &mut held).await {
+                                    ended = true; // the loop has stopped
+                                    break;
                                 }
                                 metrics.message_waits.inc();
                                 limits::take_message(limiter, peer).await;
@@ -313,15 +333,33 @@ impl Dataplane for DataplaneService {
                                     let weight = u32::try_from(c.decoded.min(DECODED_IN_FLIGHT))
                                         .unwrap_or(u32::MAX)
                                         .max(1);
-                                    match in_flight.clone().acquire_many_owned(weight).await {
-                                        Ok(p) => match &mut held {
-                                            Some(h) => h.merge(p),
-                                            None => held = Some(p),
-                                        },
-                                        Err(_) => {
-                                            ended = true;
-                                            break;
+                                    let permit = match in_flight
+                                        .clone()
+                                        .try_acquire_many_owned(weight)
+                                    {
+                                        Ok(p) => Some(p),
+                                        Err(tokio::sync::TryAcquireError::Closed) => None,
+                                        Err(tokio::sync::TryAcquireError::NoPermits) => {
+                                            // What this stream batched goes
+                                            // first, its weight with it:
+                                            // waiting while holding it could
+                                            // wait for ever.
+                                            if !flush(&reader_feed, session, &mut batch, &mut held)
+                                                .await
+                                            {
+                                                ended = true; // the loop has stopped
+                                                break;
+                                            }
+                                            in_flight.clone().acquire_many_owned(weight).await.ok()
                                         }
+                                    };
+                                    let Some(p) = permit else {
+                                        ended = true;
+                                        break;
+                                    };
+                                    match &mut held {
+                                        Some(h) => h.merge(p),
+                                        None => held = Some(p),
                                     }
                                     decode(msg, c.sequence_number)
                                 }
@@ -365,23 +403,10 @@ impl Dataplane for DataplaneService {
                         next = inbound.message().now_or_never();
                     }
                 }
-                if !batch.is_empty() {
-                    let messages = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
-                    // Waiting here on a full feed channel is the back-pressure.
-                    if reader_feed
-                        .send(Feed::Messages {
-                            session,
-                            messages,
-                            held: held.take(),
-                        })
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
+                // Waiting here on a full feed channel is the back-pressure.
+                if !flush(&reader_feed, session, &mut batch, &mut held).await {
+                    break;
                 }
-                // Rejected messages weigh nothing once they are answered.
-                held = None;
             }
             // Every rejection is queued before this, so the writer sends them
             // all before Received.
@@ -646,6 +671,83 @@ mod tests {
                 }
             ))
         );
+    }
+
+    /// A stream whose batch holds most of the budget, and whose next
+    /// message needs more than is left, hands the loop its batch before it
+    /// waits: waiting while holding it waited for ever (no other stream
+    /// held anything).
+    #[tokio::test]
+    async fn a_stream_never_waits_on_the_budget_it_holds_itself() {
+        use dphandler_proto::felix::to_dataplane::Payload;
+        let msg = |seq: u64| felix::ToDataplane {
+            sequence_number: seq,
+            payload: Some(Payload::IpsetUpdate(felix::IpSetUpdate {
+                id: format!("s:{seq}"),
+                members: (0..500)
+                    .map(|i| format!("10.0.{}.{}", i / 250, i % 250))
+                    .collect(),
+                r#type: felix::ip_set_update::IpSetType::Ip as i32,
+            })),
+        };
+        const SENT: u64 = 200;
+        let weight = wire::check(&msg(1).encode_to_vec(), &WireLimits::default())
+            .unwrap()
+            .decoded;
+        assert!(weight > 1000, "a message weighs {weight}");
+
+        let (feed, mut feed_rx) = mpsc::channel(16);
+        let (ev_tx, _) = broadcast::channel(16);
+        let (_st_tx, st_rx) = watch::channel(LoopStatus::default());
+        let conn = Connector {
+            feed,
+            events: ev_tx,
+            status: st_rx,
+            alive: Default::default(),
+            metrics: Default::default(),
+        };
+        // Room for one message and a half: two batched together spend it.
+        let svc = DataplaneService::new(conn).with_decoded_in_flight(weight * 3 / 2);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    dphandler_proto::wire::raw_server::dataplane_server::DataplaneServer::new(svc),
+                )
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        // The loop's side: takes every batch in at once (its weight given
+        // back as it drops).
+        let taken = tokio::spawn(async move {
+            let mut programmed = None;
+            let mut last = 0;
+            while last < SENT {
+                match feed_rx.recv().await {
+                    Some(Feed::Open { programmed: p, .. }) => programmed = Some(p),
+                    Some(Feed::Messages { messages, .. }) => {
+                        last = messages.last().map_or(last, |m| m.0);
+                    }
+                    Some(Feed::Message { seq, .. }) => last = seq,
+                    Some(Feed::Close { .. }) | None => break,
+                }
+            }
+            drop(programmed);
+            last
+        });
+        let mut client = v1::dataplane_client::DataplaneClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let _replies = client
+            .to_dataplane(futures::stream::iter((1..=SENT).map(msg)))
+            .await
+            .unwrap();
+        let last = tokio::time::timeout(std::time::Duration::from_secs(20), taken)
+            .await
+            .expect("the stream stalled on its own budget")
+            .unwrap();
+        assert_eq!(last, SENT);
+        server.abort();
     }
 
     #[tokio::test]
