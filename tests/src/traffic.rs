@@ -3,7 +3,8 @@
 //! counted lost) and a denied TCP port probed every 50 ms (each
 //! connection that gets through is counted, with when). Runs in threads
 //! entered into the client's namespace; traffic goes only to the target
-//! the test names, an address inside its own namespaces.
+//! the test names, an address inside its own namespaces. And a `ping`
+//! across a change ([`Pinger`]) for the multi-node tests.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
@@ -167,6 +168,74 @@ impl Traffic {
             udp_lost,
             denied_tries,
             denied_through,
+        }
+    }
+}
+
+/// `ping` every 20 ms from a namespace, running across a change (a
+/// daemon's restart) until [`Pinger::stop`].
+///
+/// Not `ping -w`: at its deadline ping counts the requests still in
+/// flight as lost, so a loaded machine (replies slower than 20 ms) showed
+/// one packet lost of 165 where none was. Here a request counts as lost
+/// only when a later one was answered.
+#[derive(Debug)]
+pub struct Pinger(Option<std::process::Child>);
+
+impl Pinger {
+    pub fn start(from: &Netns, to: &str) -> Result<Self> {
+        let child = from
+            .command("ping")
+            .args(["-n", "-i", "0.02", to])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("starting ping")?;
+        Ok(Self(Some(child)))
+    }
+
+    /// Ends the ping (SIGINT: it prints its summary) and fails naming the
+    /// requests that went unanswered while later ones were answered, or
+    /// when too few were answered at the end (more than 10 in flight, 200
+    /// ms: the path did not come back).
+    pub fn stop(mut self) -> Result<String> {
+        let child = self.0.take().context("stopped once")?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+        // `ip netns exec` execs ping: the pid is ping's, and ours.
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)?;
+        let out = child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let answered: BTreeSet<u64> = text
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix("icmp_seq=")?.parse().ok())
+            .collect();
+        let sent: u64 = text
+            .lines()
+            .find_map(|l| l.split_once(" packets transmitted")?.0.trim().parse().ok())
+            .context("no summary from ping")?;
+        let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+        let summary = lines[lines.len().saturating_sub(2)..].join(" / ");
+        let Some(&last) = answered.last() else {
+            anyhow::bail!("no reply at all: {summary}");
+        };
+        let lost: Vec<u64> = (1..last).filter(|s| !answered.contains(s)).collect();
+        if !lost.is_empty() {
+            anyhow::bail!("requests {lost:?} unanswered, later ones answered: {summary}");
+        }
+        if sent.saturating_sub(last) > 10 {
+            anyhow::bail!("the last {} requests unanswered: {summary}", sent - last);
+        }
+        Ok(format!(
+            "{last} of {sent} answered, none lost before the last answer"
+        ))
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

@@ -17,6 +17,7 @@ use dphandler_proto::v1::{self, status_update::Kind};
 use dphandler_tests::cluster::*;
 use dphandler_tests::kernel;
 use dphandler_tests::lab::{Capture, Probe, probe, scrape, yaml_msgs};
+use dphandler_tests::traffic::Pinger;
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 use tonic::Streaming;
 
@@ -424,12 +425,7 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     // new daemon keeps it (same process, same key); a ping running across
     // the restart loses nothing.
     let pid_before = std::fs::read_to_string(pid_file(1, &ifaces[1]))?;
-    let pinger = nodes[0]
-        .pod
-        .command("ping")
-        .args(["-q", "-i", "0.02", "-w", "4", PODS[1]])
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
+    let pinger = Pinger::start(&nodes[0].pod, PODS[1])?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     daemons[1].take().expect("running").stop()?;
     let a = args(1);
@@ -453,12 +449,12 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
         "{d:?}"
     );
     daemons[1] = Some(d2);
-    let out = pinger.wait_with_output()?;
-    let summary = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        summary.contains(" 0% packet loss"),
-        "packets lost across node 2's restart: {summary}"
-    );
+    // A second of pings after the restart: none lost before the last reply.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let seen = pinger
+        .stop()
+        .context("packets lost across node 2's restart")?;
+    eprintln!("ping across node 2's restart: {seen}");
 
     // Node 2's wireguard-go dies under its running daemon: the daemon
     // starts another (the device goes with the process) with the same key.
