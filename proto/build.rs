@@ -19,14 +19,15 @@ fn main() -> anyhow::Result<()> {
         .build_client(true)
         .build_server(true)
         .compile_fds(fds.clone())?;
-    // The server once more, taking each ToDataplane message as its bytes
-    // ([`crate::wire`]): they are checked against the limits before
+    // The stubs once more, taking each ToDataplane message as its bytes
+    // ([`crate::wire`]): the server checks them against the limits before
     // anything is decoded (a message of a million empty rules is 2 MB on
-    // the wire and gigabytes decoded). Every other type is the one above.
+    // the wire and gigabytes decoded), and the Felix driver passes them on
+    // undecoded. Every other type is the one above.
     let raw = out.join("raw");
     std::fs::create_dir_all(&raw)?;
     tonic_prost_build::configure()
-        .build_client(false)
+        .build_client(true)
         .build_server(true)
         .out_dir(&raw)
         .extern_path(".felix.ToDataplane", "crate::wire::RawToDataplane")

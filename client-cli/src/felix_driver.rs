@@ -11,7 +11,9 @@
 //! `dphandler-felix-driver` (a symlink), and takes its settings from the
 //! `DPH_*` variables Felix's environment passes on.
 //!
-//! This forwards every ToDataplane over one gRPC `ToDataplane` stream, and
+//! This forwards every ToDataplane over one gRPC `ToDataplane` stream as
+//! the bytes Felix wrote (undecoded: the server reads every Felix's forms,
+//! master's and the releases', and says what it cannot take), and
 //! writes every `FromDataplane` of a `StatusUpdates` stream to fd 4
 //! (DataplaneInSync, endpoint status, WireGuard keys, the process-status
 //! heartbeats). Rejections are logged to stderr with their sequence number
@@ -20,8 +22,11 @@
 //! Felix sends its snapshot only when it starts the driver, so a lost
 //! server cannot be caught up from here: the driver exits non-zero, Felix
 //! exits with it and is restarted, and the new driver brings a fresh
-//! snapshot to the (restarted) server. The same for a malformed or
-//! oversized frame, and for fds 3 and 4 not being open (not run by Felix).
+//! snapshot to the (restarted) server. The same for a frame over
+//! `--max-frame-bytes` (a broken length: the stream cannot be read on),
+//! and for fds 3 and 4 not being open (not run by Felix). A frame the
+//! server cannot decode is one rejected message, logged: the stream goes
+//! on (restarting Felix would send the same message again).
 //! On SIGTERM (Felix stopping, which kills after 4 s) or when Felix closes
 //! fd 3, it ends at once with 0.
 
@@ -31,10 +36,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use dphandler_proto::felix;
 use dphandler_proto::v1::{self, status_update, to_dataplane_reply};
+use dphandler_proto::wire::RawToDataplane;
+use dphandler_proto::wire::raw::dataplane_client::DataplaneClient;
 use prost::Message;
 use tokio::sync::mpsc;
+use tonic::transport::Channel;
 
 use crate::ConnArgs;
 
@@ -122,13 +129,10 @@ fn open_pipes(args: &FelixDriverArgs) -> anyhow::Result<(std::fs::File, std::fs:
     Ok((input, output))
 }
 
-async fn connect(
-    conn: &ConnArgs,
-    timeout: Duration,
-) -> anyhow::Result<v1::dataplane_client::DataplaneClient<tonic::transport::Channel>> {
+async fn connect(conn: &ConnArgs, timeout: Duration) -> anyhow::Result<Channel> {
     let until = Instant::now() + timeout;
     loop {
-        match conn.connect().await {
+        match conn.channel().await {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() >= until => {
                 return Err(e.context(format!(
@@ -144,7 +148,9 @@ pub async fn run(conn: &ConnArgs, args: FelixDriverArgs) -> anyhow::Result<ExitC
     let timeout = Duration::try_from_secs_f64(args.connect_timeout_seconds)
         .context("--connect-timeout-seconds must be a non-negative number")?;
     let (input, mut output) = open_pipes(&args)?;
-    let mut client = connect(conn, timeout).await?;
+    let channel = connect(conn, timeout).await?;
+    let mut client = v1::dataplane_client::DataplaneClient::new(channel.clone());
+    let mut raw_client = DataplaneClient::new(channel);
 
     // Status first: a DataplaneInSync is replayed to a new watcher anyway.
     let mut status = client
@@ -154,7 +160,7 @@ pub async fn run(conn: &ConnArgs, args: FelixDriverArgs) -> anyhow::Result<ExitC
         .into_inner();
 
     // Felix's frames, read on a thread of their own (blocking pipe reads).
-    let (to_server, requests) = mpsc::channel::<felix::ToDataplane>(1024);
+    let (to_server, requests) = mpsc::channel::<RawToDataplane>(1024);
     let (end_tx, mut ended) = mpsc::channel::<End>(4);
     let max = args.max_frame_bytes;
     {
@@ -165,21 +171,12 @@ pub async fn run(conn: &ConnArgs, args: FelixDriverArgs) -> anyhow::Result<ExitC
             let end = loop {
                 match read_frame(&mut input, max) {
                     Ok(None) => break End::Felix("Felix closed fd 3"),
-                    Ok(Some(buf)) => match felix::ToDataplane::decode(buf.as_slice()) {
-                        Ok(msg) => {
-                            frames += 1;
-                            if to_server.blocking_send(msg).is_err() {
-                                return; // the stream is gone; said elsewhere
-                            }
+                    Ok(Some(buf)) => {
+                        frames += 1;
+                        if to_server.blocking_send(RawToDataplane(buf.into())).is_err() {
+                            return; // the stream is gone; said elsewhere
                         }
-                        Err(e) => {
-                            break End::Failed(anyhow::anyhow!(
-                                "frame {} ({} bytes) from Felix is not a felix.ToDataplane: {e}",
-                                frames + 1,
-                                buf.len()
-                            ));
-                        }
-                    },
+                    }
                     Err(e) => {
                         break End::Failed(
                             e.context(format!("reading frame {} from Felix", frames + 1)),
@@ -190,7 +187,7 @@ pub async fn run(conn: &ConnArgs, args: FelixDriverArgs) -> anyhow::Result<ExitC
             let _ = end_tx.blocking_send(end);
         });
     }
-    let mut replies = client
+    let mut replies = raw_client
         .to_dataplane(tokio_stream::wrappers::ReceiverStream::new(requests))
         .await
         .context("opening the ToDataplane stream")?

@@ -95,8 +95,13 @@ impl ConnArgs {
     }
 
     async fn connect(&self) -> anyhow::Result<DataplaneClient<Channel>> {
+        self.channel().await.map(DataplaneClient::new)
+    }
+
+    /// The connection of [`ConnArgs::connect`], for a client of any stubs.
+    async fn channel(&self) -> anyhow::Result<Channel> {
         let Some(addr) = &self.tcp else {
-            return client::connect_unix(&self.socket)
+            return client::channel_unix(&self.socket)
                 .await
                 .context("is `dphandler serve` running, and may you use its socket?");
         };
@@ -114,7 +119,7 @@ impl ConnArgs {
             ),
             _ => bail!("--tls-ca, --tls-cert and --tls-key go together"),
         };
-        Ok(client::connect_tcp(addr, tls.as_ref()).await?)
+        Ok(client::channel_tcp(addr, tls.as_ref()).await?)
     }
 }
 

@@ -81,10 +81,13 @@ pub enum StatusEvent {
         iso_timestamp: String,
         uptime: f64,
     },
-    /// A workload endpoint's status changed: `up`, `down` or `error`.
+    /// A workload endpoint's status changed: `up`, `down` or `error`;
+    /// with the endpoint as it stands (Felix's endpoint-status files name
+    /// its interface, MAC and nets).
     WorkloadEndpointStatus {
         id: crate::model::WorkloadEndpointId,
         status: &'static str,
+        endpoint: Box<crate::model::WorkloadEndpoint>,
     },
     /// A workload endpoint is gone.
     WorkloadEndpointStatusRemove {

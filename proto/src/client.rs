@@ -74,6 +74,12 @@ pub fn status_socket(socket: &Path) -> std::path::PathBuf {
 
 /// Connects over the unix socket at `path`.
 pub async fn connect_unix(path: &Path) -> Result<DataplaneClient<Channel>, ConnectError> {
+    channel_unix(path).await.map(DataplaneClient::new)
+}
+
+/// The channel of [`connect_unix`] (for a client of other stubs: the raw
+/// ToDataplane client of [`crate::wire::raw`]).
+pub async fn channel_unix(path: &Path) -> Result<Channel, ConnectError> {
     let target = path.display().to_string();
     let p = path.to_path_buf();
     // The URI is required by the HTTP/2 layer but not used: the connector
@@ -90,7 +96,7 @@ pub async fn connect_unix(path: &Path) -> Result<DataplaneClient<Channel>, Conne
         }))
         .await
         .map_err(|source| ConnectError::Connect { target, source })?;
-    Ok(DataplaneClient::new(ch))
+    Ok(ch)
 }
 
 /// Connects over TCP to `addr` (`host:port`), with TLS when `tls` is given.
@@ -98,6 +104,11 @@ pub async fn connect_tcp(
     addr: &str,
     tls: Option<&TlsFiles>,
 ) -> Result<DataplaneClient<Channel>, ConnectError> {
+    channel_tcp(addr, tls).await.map(DataplaneClient::new)
+}
+
+/// The channel of [`connect_tcp`].
+pub async fn channel_tcp(addr: &str, tls: Option<&TlsFiles>) -> Result<Channel, ConnectError> {
     let target = addr.to_string();
     let settings = |source| ConnectError::Settings {
         target: target.clone(),
@@ -116,9 +127,8 @@ pub async fn connect_tcp(
         }
         ep = ep.tls_config(cfg).map_err(settings)?;
     }
-    let ch = ep.connect().await.map_err(|source| ConnectError::Connect {
+    ep.connect().await.map_err(|source| ConnectError::Connect {
         target: target.clone(),
         source,
-    })?;
-    Ok(DataplaneClient::new(ch))
+    })
 }

@@ -3,8 +3,7 @@
 //! path (`ipset_update.members[3]`) and nothing of the message is used.
 
 use dphandler_dataplane::model::network::{
-    EncapMode, Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep,
-    WireguardEndpoint,
+    EncapMode, Encapsulation, GlobalBgpConfig, IpamPool, Route, Service, Vtep, WireguardEndpoint,
 };
 use dphandler_dataplane::model::{
     Action, EndpointState, HostEndpoint, HostEndpointId, HostInterface, IcmpMatch, Id, IfaceName,
@@ -29,8 +28,10 @@ pub struct Rejected {
     pub error: ValidationError,
 }
 
-/// Convert one message. `Ok(None)` for a message with no payload (ignored,
-/// as Felix ignores unknown payloads).
+/// Convert one message on its own. `Ok(None)` for a message with no
+/// payload (ignored, as Felix ignores unknown payloads). A stream's
+/// messages go through a [`Converter`], which also puts together what a
+/// released Felix sends of a host in pieces.
 pub fn to_update(msg: felix::ToDataplane) -> Result<Option<Update>, Rejected> {
     let seq = msg.sequence_number;
     let Some(payload) = msg.payload else {
@@ -42,6 +43,41 @@ pub fn to_update(msg: felix::ToDataplane) -> Result<Option<Update>, Rejected> {
             sequence_number: seq,
             error,
         })
+}
+
+/// Converts one stream's messages, in order.
+///
+/// Master's Felix sends a host whole (`HostMetadataUpdate`, both families
+/// in CIDR form, AS number, labels). A released Felix (v3.31, v3.32) sends
+/// it in three messages: `HostMetadataUpdate` with the IPv4 address alone,
+/// `HostMetadataV6Update` with the IPv6 address, and
+/// `HostMetadataV4V6Update` with the addresses of the Node's BGP spec, AS
+/// number and labels; each has its own remove. The managers want the host
+/// whole, so this keeps each host's pieces and turns every piece's update
+/// or remove into the whole host as it now stands (or its removal once no
+/// piece is left): a released Felix's IPv6 host addresses are not lost, and
+/// one piece's update never erases another's.
+#[derive(Debug, Default)]
+pub struct Converter {
+    hosts: hosts::Pieces,
+}
+
+impl Converter {
+    pub fn convert(&mut self, msg: felix::ToDataplane) -> Result<Option<Update>, Rejected> {
+        let seq = msg.sequence_number;
+        let Some(payload) = msg.payload else {
+            return Ok(None);
+        };
+        let piece = hosts::Piece::of(&payload);
+        let update = convert_payload(payload).map_err(|error| Rejected {
+            sequence_number: seq,
+            error,
+        })?;
+        Ok(Some(match piece {
+            Some(piece) => self.hosts.merge(piece, update),
+            None => update,
+        }))
+    }
 }
 
 fn at<T>(r: Valid<T>, field: &str) -> Valid<T> {
@@ -142,8 +178,15 @@ fn convert_payload(p: Payload) -> Valid<Update> {
         )?)),
         Payload::ActivePolicyUpdate(u) => at(
             (|| {
-                let pid = at(policy_id(required(&u.id, "id")?), "id")?;
+                let raw_id = required(&u.id, "id")?;
+                let pid = at(policy_id(raw_id), "id")?;
                 let p = u.policy.clone().unwrap_or_default();
+                // A released Felix names the tier in the id, master in the policy.
+                let tier = if p.tier.is_empty() {
+                    at(Id::optional(&raw_id.tier), "id.tier")?
+                } else {
+                    opt_id(&p.tier, "policy.tier")?
+                };
                 if p.untracked && p.pre_dnat {
                     return Err(ValidationError::new(
                         "policy",
@@ -154,7 +197,7 @@ fn convert_payload(p: Payload) -> Valid<Update> {
                     pid,
                     Policy {
                         namespace: opt_id(&p.namespace, "policy.namespace")?,
-                        tier: opt_id(&p.tier, "policy.tier")?,
+                        tier,
                         inbound_rules: rules(&p.inbound_rules, "policy.inbound_rules")?,
                         outbound_rules: rules(&p.outbound_rules, "policy.outbound_rules")?,
                         untracked: p.untracked,
@@ -182,29 +225,45 @@ fn convert_payload(p: Payload) -> Valid<Update> {
         )?)),
         Payload::ConfigUpdate(u) => Update::Config(labels(&u.config, "config_update.config")?),
         Payload::HostMetadataUpdate(u) => at(
-            (|| {
-                Ok(Update::HostMetadata(HostMetadata {
-                    hostname: id(&u.hostname, "hostname")?,
-                    ipv4_addr: at(host_addr(&u.ipv4_addr).and_then(v4), "ipv4_addr")?,
-                    ipv6_addr: at(host_addr(&u.ipv6_addr).and_then(v6), "ipv6_addr")?,
-                    asnumber: if u.asnumber.is_empty() {
-                        None
-                    } else {
-                        Some(u.asnumber.parse().map_err(|_| {
-                            ValidationError::new(
-                                "asnumber",
-                                format!("{:?} is not an AS number", u.asnumber),
-                            )
-                        })?)
-                    },
-                    labels: labels(&u.labels, "labels")?,
-                }))
-            })(),
+            hosts::host(
+                &u.hostname,
+                &u.ipv4_addr,
+                &u.ipv6_addr,
+                &u.asnumber,
+                &u.labels,
+            )
+            .map(Update::HostMetadata),
             "host_metadata_update",
         )?,
         Payload::HostMetadataRemove(u) => Update::Remove(Key::HostMetadata(id(
             &u.hostname,
             "host_metadata_remove.hostname",
+        )?)),
+        // A released Felix's pieces of a host, each on its own (a stream's
+        // `Converter` puts them together).
+        Payload::HostMetadataV6Update(u) => at(
+            hosts::host(&u.hostname, "", &u.ipv6_addr, "", &Default::default())
+                .map(Update::HostMetadata),
+            "host_metadata_v6_update",
+        )?,
+        Payload::HostMetadataV4v6Update(u) => at(
+            hosts::host(
+                &u.hostname,
+                &u.ipv4_addr,
+                &u.ipv6_addr,
+                &u.asnumber,
+                &u.labels,
+            )
+            .map(Update::HostMetadata),
+            "host_metadata_v4v6_update",
+        )?,
+        Payload::HostMetadataV6Remove(u) => Update::Remove(Key::HostMetadata(id(
+            &u.hostname,
+            "host_metadata_v6_remove.hostname",
+        )?)),
+        Payload::HostMetadataV4v6Remove(u) => Update::Remove(Key::HostMetadata(id(
+            &u.hostname,
+            "host_metadata_v4v6_remove.hostname",
         )?)),
         Payload::IpamPoolUpdate(u) => at(
             (|| {
@@ -742,5 +801,6 @@ fn model_ip_version(v: i32) -> Valid<Option<IpVersion>> {
     }
 }
 
+mod hosts;
 #[cfg(test)]
 mod tests;

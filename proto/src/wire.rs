@@ -6,12 +6,16 @@
 //! `felix::Rule` structs of several hundred bytes each (the daemon grew
 //! from 33 MB to 2.8 GB taking it). So the server takes each message as
 //! bytes ([`RawToDataplane`], through the server stubs generated for it,
-//! [`raw_server`]) and [`check`] walks the protobuf encoding first, guided
+//! [`raw`]) and [`check`] walks the protobuf encoding first, guided
 //! by the message descriptors: it counts each repeated field's elements
 //! against its limit and estimates the decoded size from the structs'
 //! sizes; only a message within both is decoded. A refused message is a
 //! rejection naming its sequence number and field, like any invalid one:
 //! the stream and the rest of the state go on.
+
+mod released;
+
+pub use released::normalize;
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -20,11 +24,12 @@ use prost::bytes::{Buf, BufMut, Bytes};
 use prost::encoding::{DecodeContext, WireType};
 use prost_reflect::{Cardinality, FieldDescriptor, Kind, MessageDescriptor};
 
-/// The server stubs of `dphandler.v1.Dataplane` that take each
-/// `ToDataplane` message as a [`RawToDataplane`] (every other type is the
-/// one in [`crate::v1`]).
+/// The stubs of `dphandler.v1.Dataplane` that take each `ToDataplane`
+/// message as a [`RawToDataplane`] (every other type is the one in
+/// [`crate::v1`]): the server's, and the client's of `dphctl felix-driver`,
+/// which passes Felix's messages on as they came.
 #[allow(clippy::all, missing_debug_implementations, reason = "generated code")]
-pub mod raw_server {
+pub mod raw {
     include!(concat!(env!("OUT_DIR"), "/raw/dphandler.v1.rs"));
 }
 

@@ -11,7 +11,7 @@ use dphandler_dataplane::model::{IpVersion, Update};
 use dphandler_dataplane::sync_loop::{Feed, Rejection, StatusEvent};
 use dphandler_proto::felix::{self, from_dataplane};
 use dphandler_proto::v1;
-use dphandler_proto::wire::raw_server::dataplane_server::Dataplane;
+use dphandler_proto::wire::raw::dataplane_server::Dataplane;
 use dphandler_proto::wire::{self, RawToDataplane, WireLimits};
 use futures::{FutureExt, Stream};
 use prost::Message;
@@ -99,7 +99,11 @@ impl DataplaneService {
 /// One message checked against the limits: decoded and converted.
 /// `Ok(None)` for a message with no payload; `Err((sequence number, field,
 /// reason))` for one that cannot be decoded or is invalid.
-fn decode(raw: RawToDataplane, seq: u64) -> Result<Option<(u64, Update)>, (u64, String, String)> {
+fn decode(
+    raw: RawToDataplane,
+    seq: u64,
+    converter: &mut dphandler_proto::convert::Converter,
+) -> Result<Option<(u64, Update)>, (u64, String, String)> {
     let msg = felix::ToDataplane::decode(raw.0).map_err(|e| {
         (
             seq,
@@ -108,7 +112,7 @@ fn decode(raw: RawToDataplane, seq: u64) -> Result<Option<(u64, Update)>, (u64, 
         )
     })?;
     let seq = msg.sequence_number;
-    match dphandler_proto::convert::to_update(msg) {
+    match converter.convert(msg) {
         Ok(u) => Ok(u.map(|u| (seq, u))),
         Err(r) => Err((seq, r.error.field, r.error.reason)),
     }
@@ -201,17 +205,32 @@ pub fn from_event(ev: StatusEvent) -> felix::FromDataplane {
             iso_timestamp,
             uptime,
         }),
-        StatusEvent::WorkloadEndpointStatus { id, status } => {
-            from_dataplane::Payload::WorkloadEndpointStatusUpdate(
-                felix::WorkloadEndpointStatusUpdate {
-                    id: Some(wep_id(&id)),
-                    status: Some(felix::EndpointStatus {
-                        status: status.to_string(),
-                    }),
-                    endpoint: None,
-                },
-            )
-        }
+        StatusEvent::WorkloadEndpointStatus {
+            id,
+            status,
+            endpoint,
+        } => from_dataplane::Payload::WorkloadEndpointStatusUpdate(
+            felix::WorkloadEndpointStatusUpdate {
+                id: Some(wep_id(&id)),
+                status: Some(felix::EndpointStatus {
+                    status: status.to_string(),
+                }),
+                // What Felix's endpoint-status file reporter writes (it
+                // logs an error and writes no file without it).
+                endpoint: Some(felix::WorkloadEndpoint {
+                    name: endpoint.name.to_string(),
+                    mac: endpoint.mac.map(|m| m.to_string()).unwrap_or_default(),
+                    ipv4_nets: endpoint.ipv4_nets.iter().map(ToString::to_string).collect(),
+                    ipv6_nets: endpoint.ipv6_nets.iter().map(ToString::to_string).collect(),
+                    profile_ids: endpoint
+                        .profile_ids
+                        .iter()
+                        .map(|p| p.as_str().to_string())
+                        .collect(),
+                    ..Default::default()
+                }),
+            },
+        ),
         StatusEvent::HostEndpointStatus { id, status } => {
             from_dataplane::Payload::HostEndpointStatusUpdate(felix::HostEndpointStatusUpdate {
                 id: Some(felix::HostEndpointId {
@@ -301,6 +320,9 @@ impl Dataplane for DataplaneService {
             let mut half_closed = false;
             let mut error = None;
             let mut batch: Vec<(u64, Update)> = Vec::with_capacity(BATCH);
+            // What this stream has sent of each host (a released Felix
+            // sends a host in pieces).
+            let mut converter = dphandler_proto::convert::Converter::default();
             // The batch's weight in the budget of decoded bytes in flight.
             let mut held: Option<tokio::sync::OwnedSemaphorePermit> = None;
             let mut ended = false;
@@ -325,9 +347,17 @@ impl Dataplane for DataplaneService {
                                 metrics.message_waits.inc();
                                 limits::take_message(limiter, peer).await;
                             }
+                            // A released Felix's policy names in a
+                            // TierInfo, as master's PolicyIDs.
+                            let msg = match wire::normalize(&msg.0) {
+                                Some(b) => RawToDataplane(b.into()),
+                                None => msg,
+                            };
+                            let mut msg_seq = 0;
                             let converted = match wire::check(&msg.0, &wire_limits) {
                                 Err(r) => Err((r.sequence_number, r.field, r.reason)),
                                 Ok(c) => {
+                                    msg_seq = c.sequence_number;
                                     // Weighed before it is decoded: a full
                                     // budget holds this stream back here.
                                     let weight = u32::try_from(c.decoded.min(DECODED_IN_FLIGHT))
@@ -361,7 +391,7 @@ impl Dataplane for DataplaneService {
                                         Some(h) => h.merge(p),
                                         None => held = Some(p),
                                     }
-                                    decode(msg, c.sequence_number)
+                                    decode(msg, c.sequence_number, &mut converter)
                                 }
                             };
                             match converted {
@@ -369,7 +399,16 @@ impl Dataplane for DataplaneService {
                                     batch.push((seq, update));
                                     last_accepted = Some(seq);
                                 }
-                                Ok(None) => {}
+                                Ok(None) => {
+                                    // No payload this build knows: a newer
+                                    // Felix's message (Felix itself ignores
+                                    // what it does not know).
+                                    warn!(
+                                        session,
+                                        seq = msg_seq,
+                                        "a message of a type this dphandler does not know: ignored"
+                                    );
+                                }
                                 Err((seq, field, reason)) => {
                                     rejected_count += 1;
                                     metrics.rejections.inc();
@@ -713,7 +752,7 @@ mod tests {
         let server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(
-                    dphandler_proto::wire::raw_server::dataplane_server::DataplaneServer::new(svc),
+                    dphandler_proto::wire::raw::dataplane_server::DataplaneServer::new(svc),
                 )
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );

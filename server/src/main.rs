@@ -37,7 +37,7 @@ use dphandler_dataplane::model::{
 };
 use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
-use dphandler_proto::wire::raw_server::dataplane_server::DataplaneServer;
+use dphandler_proto::wire::raw::dataplane_server::DataplaneServer;
 use dphandler_server::access::limit_connections;
 use dphandler_server::limits;
 use dphandler_server::{connector, grpc::DataplaneService, listen};
@@ -305,11 +305,12 @@ struct ServeArgs {
     #[arg(long, env = "DPH_STATE_DIR", default_value = "/var/lib/dphandler")]
     state_dir: PathBuf,
     /// Prometheus metrics over HTTP (`/metrics`); `none` turns them off.
-    #[arg(long, env = "DPH_METRICS_ADDR", default_value = "127.0.0.1:9091")]
+    /// Not Felix's 9091: on a Calico node both share the node's network.
+    #[arg(long, env = "DPH_METRICS_ADDR", default_value = "127.0.0.1:9191")]
     metrics_addr: String,
     /// Felix-style health probes over HTTP (`/liveness`, `/readiness`);
-    /// `none` turns them off.
-    #[arg(long, env = "DPH_HEALTH_ADDR", default_value = "127.0.0.1:9099")]
+    /// `none` turns them off. Not Felix's 9099.
+    #[arg(long, env = "DPH_HEALTH_ADDR", default_value = "127.0.0.1:9199")]
     health_addr: String,
     /// How long the sync loop may go without turning before `/liveness`
     /// fails (it turns every few seconds when idle; a long apply holds it).

@@ -15,6 +15,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+pub mod calico;
 pub mod cluster;
 pub mod kernel;
 pub mod lab;

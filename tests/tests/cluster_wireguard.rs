@@ -349,7 +349,7 @@ async fn pods_on_two_nodes_talk_over_wireguard() -> Result<()> {
     );
     // And in the metrics (Felix's wireguard_* names): one peer per IP
     // version, the bytes the traffic above moved, the handshake's time.
-    let m = scrape(&nodes[0].ns, 9091)?;
+    let m = scrape(&nodes[0].ns, 9191)?;
     for v in ["4", "6"] {
         assert_eq!(
             m.get(&format!("dphandler_wireguard_peers{{ip_version=\"{v}\"}}")),

@@ -187,7 +187,7 @@ async fn sigkill_mid_apply_and_restart_lose_nothing() -> Result<()> {
     // look (the kernel's family-wide rule dump starts again for each
     // message), and the update would be all in before one ended.
     let commits = || -> Result<f64> {
-        Ok(lab::scrape(&l.host, 9091)?
+        Ok(lab::scrape(&l.host, 9191)?
             .get("dphandler_nftables_commits_total{ip_version=\"4\"}")
             .copied()
             .unwrap_or(0.0))

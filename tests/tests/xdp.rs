@@ -147,7 +147,7 @@ async fn untracked_deny_of_a_set_is_dropped_by_xdp_before_the_stack() -> Result<
     assert!(!x.contains("dropped 0 pkts"), "{x}");
     assert_eq!(raw_drops(&host)?, 0, "the raw table saw the packet");
     // The same counters in the metrics.
-    let m = scrape(&host, 9091)?;
+    let m = scrape(&host, 9191)?;
     assert_eq!(m.get("dphandler_xdp_interfaces"), Some(&1.0), "{m:#?}");
     for (name, verdict) in [
         ("xdp_packets_total", "dropped"),

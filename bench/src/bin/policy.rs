@@ -849,7 +849,7 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
 
     // The kernel's side: a second churn pass under perf, and (nftables)
     // the daemon's commit counts and times over it.
-    let m0 = dphandler_tests::lab::scrape(&ns, 9091).unwrap_or_default();
+    let m0 = dphandler_tests::lab::scrape(&ns, 9191).unwrap_or_default();
     let perf = Perf::start(dir.path(), dataplane);
     let mut traced = Churn {
         next_new: r.churn.next_new,
@@ -860,7 +860,7 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
     churn(a, &mut feed, &mut traced, a.trace_seconds, salt).await?;
     r.perf = perf.and_then(Perf::finish);
     if nft {
-        let m1 = dphandler_tests::lab::scrape(&ns, 9091)?;
+        let m1 = dphandler_tests::lab::scrape(&ns, 9191)?;
         let d = |k: &str| m1.get(k).copied().unwrap_or(0.0) - m0.get(k).copied().unwrap_or(0.0);
         let v = "{ip_version=\"4\"}";
         r.commits = Some((

@@ -62,6 +62,7 @@ fn policy_id(i: usize) -> felix::PolicyId {
         name: format!("ns{}.policy-{}", i % 50, i % 5000),
         namespace: format!("ns{}", i % 50),
         kind: "NetworkPolicy".into(),
+        ..Default::default()
     }
 }
 

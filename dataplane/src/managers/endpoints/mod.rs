@@ -907,7 +907,11 @@ impl Manager for EndpointsManager {
             };
             if self.reported.get(&id) != Some(&status) {
                 self.reported.insert(id.clone(), status);
-                out.push(StatusEvent::WorkloadEndpointStatus { id, status });
+                out.push(StatusEvent::WorkloadEndpointStatus {
+                    id,
+                    status,
+                    endpoint: Box::new(ep.clone()),
+                });
             }
         }
         // Host endpoints, as Felix: up when it polices at least one

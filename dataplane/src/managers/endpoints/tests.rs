@@ -967,7 +967,7 @@ fn status_reports_follow_endpoints_and_their_links() {
         m.status_changes()
             .into_iter()
             .map(|e| match e {
-                S::WorkloadEndpointStatus { id, status } => format!("{} {status}", id.workload),
+                S::WorkloadEndpointStatus { id, status, .. } => format!("{} {status}", id.workload),
                 S::WorkloadEndpointStatusRemove { id } => format!("{} gone", id.workload),
                 other => format!("{other:?}"),
             })

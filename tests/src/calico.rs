@@ -1,0 +1,246 @@
+//! A real Calico beside the daemon: etcd, calicoctl and Felix, built from
+//! the Go module proxy by `scripts/calico.sh` (cached under
+//! `.tools/calico/<version>/bin`), each run inside the test's own
+//! namespace and ended by its PID.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::Netns;
+
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is inside the project")
+        .to_path_buf()
+}
+
+/// One Calico version the script built.
+#[derive(Debug, Clone)]
+pub struct Calico {
+    pub label: String,
+    pub bin: PathBuf,
+}
+
+/// What `scripts/calico.sh` built: `Ok(None)` only where there is no Go
+/// toolchain (the tests then say they were skipped); a version the proxy
+/// refused is named on stderr with the proxy's answer.
+pub fn versions() -> Result<Option<Vec<Calico>>> {
+    static BUILT: OnceLock<std::result::Result<Option<Vec<Calico>>, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| build().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+fn build() -> Result<Option<Vec<Calico>>> {
+    if Command::new("go").arg("version").output().is_err() {
+        return Ok(None);
+    }
+    let root = project_root();
+    let st = Command::new("bash")
+        .arg(root.join("scripts/calico.sh"))
+        .current_dir(&root)
+        .status()
+        .context("running scripts/calico.sh")?;
+    let tools = root.join(".tools/calico");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&tools).with_context(|| format!("reading {}", tools.display()))? {
+        let dir = e?.path();
+        let label = dir.file_name().unwrap().to_string_lossy().into_owned();
+        if dir.join("stamp").exists() {
+            out.push(Calico {
+                label,
+                bin: dir.join("bin"),
+            });
+        } else if let Ok(why) = std::fs::read_to_string(dir.join("refused")) {
+            eprintln!("Calico {label}: not tested: the module proxy refused it: {why}");
+        }
+    }
+    if !st.success() || out.is_empty() {
+        bail!("scripts/calico.sh built no Calico ({st})");
+    }
+    out.sort_by(|a, b| a.label.cmp(&b.label));
+    Ok(Some(out))
+}
+
+/// A process of ours in a namespace, ended (SIGTERM, then SIGKILL after
+/// 5 s) by its PID when dropped; its output in a log file.
+#[derive(Debug)]
+pub struct Proc {
+    child: Option<Child>,
+    pub log: PathBuf,
+    name: &'static str,
+}
+
+impl Proc {
+    pub fn spawn(name: &'static str, mut cmd: Command, log: PathBuf) -> Result<Self> {
+        let f = std::fs::File::create(&log)?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Self {
+            child: Some(child),
+            log,
+            name,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Whether it has exited (and how).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// The last `lines` lines of its log.
+    pub fn tail(&self, lines: usize) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let v: Vec<&str> = s.lines().collect();
+        format!(
+            "--- last lines of {} ({}) ---\n{}",
+            self.name,
+            self.log.display(),
+            v[v.len().saturating_sub(lines)..].join("\n")
+        )
+    }
+
+    /// SIGTERM, then SIGKILL if it has not ended within 5 s.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).ok()?);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(Some(st)) = child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// etcd on the namespace's loopback (127.0.0.1:2379), its data in `dir`.
+pub fn etcd(c: &Calico, ns: &Netns, dir: &Path) -> Result<Proc> {
+    let mut cmd = ns.command(c.bin.join("etcd"));
+    cmd.args([
+        "--name",
+        "dphandler-test",
+        "--listen-client-urls",
+        "http://127.0.0.1:2379",
+        "--advertise-client-urls",
+        "http://127.0.0.1:2379",
+        "--listen-peer-urls",
+        "http://127.0.0.1:2380",
+        "--initial-advertise-peer-urls",
+        "http://127.0.0.1:2380",
+        "--initial-cluster",
+        "dphandler-test=http://127.0.0.1:2380",
+        "--log-level",
+        "warn",
+        "--data-dir",
+    ])
+    .arg(dir.join("etcd"));
+    let p = Proc::spawn("etcd", cmd, dir.join("etcd.log"))?;
+    // Ready when calicoctl can read from it.
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        if calicoctl(c, ns, &["get", "nodes"]).is_ok() {
+            return Ok(p);
+        }
+        if Instant::now() > until {
+            bail!("etcd did not answer within 20 s\n{}", p.tail(20));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Runs calicoctl against the namespace's etcd; its stdout.
+pub fn calicoctl(c: &Calico, ns: &Netns, args: &[&str]) -> Result<String> {
+    let out = ns
+        .command(c.bin.join("calicoctl"))
+        .args(args)
+        .env("DATASTORE_TYPE", "etcdv3")
+        .env("ETCD_ENDPOINTS", "http://127.0.0.1:2379")
+        .output()
+        .context("running calicoctl")?;
+    if !out.status.success() {
+        bail!(
+            "calicoctl {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `calicoctl apply` of YAML resources (one or more documents).
+pub fn apply(c: &Calico, ns: &Netns, dir: &Path, yaml: &str) -> Result<()> {
+    let f = dir.join("apply.yaml");
+    std::fs::write(&f, yaml)?;
+    calicoctl(c, ns, &["apply", "-f", &f.to_string_lossy()]).map(drop)
+}
+
+/// Felix as calico-node runs it, with our driver as its external
+/// dataplane (`driver`: the `dphandler-felix-driver` symlink), speaking to
+/// the daemon at `socket`.
+pub fn felix(
+    c: &Calico,
+    ns: &Netns,
+    dir: &Path,
+    hostname: &str,
+    driver: &Path,
+    socket: &Path,
+    extra_env: &[(&str, &str)],
+) -> Result<Proc> {
+    let mut cmd = ns.command(c.bin.join("calico-felix"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("FELIX_DATASTORETYPE", "etcdv3")
+        .env("FELIX_ETCDENDPOINTS", "http://127.0.0.1:2379")
+        // Felix's datastore client reads these (the FELIX_ ones alone left
+        // v3.31.0 connecting to Kubernetes), as calico-node sets them.
+        .env("DATASTORE_TYPE", "etcdv3")
+        .env("ETCD_ENDPOINTS", "http://127.0.0.1:2379")
+        .env("FELIX_FELIXHOSTNAME", hostname)
+        .env("FELIX_USEINTERNALDATAPLANEDRIVER", "false")
+        .env("FELIX_DATAPLANEDRIVER", driver)
+        .env("FELIX_USAGEREPORTINGENABLED", "false")
+        .env("FELIX_LOGFILEPATH", "none")
+        .env("FELIX_LOGSEVERITYSYS", "none")
+        .env("FELIX_LOGSEVERITYSCREEN", "info")
+        .env("FELIX_HEALTHENABLED", "true")
+        // Its endpoint-status files in the test's directory, not the
+        // host's /var/run/calico.
+        .env("FELIX_ENDPOINTSTATUSPATHPREFIX", dir)
+        .env("DPH_SOCKET", socket)
+        .envs(extra_env.iter().copied());
+    Proc::spawn(
+        "calico-felix",
+        cmd,
+        dir.join(format!("felix-{hostname}.log")),
+    )
+}
