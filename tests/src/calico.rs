@@ -231,7 +231,11 @@ pub fn felix(
         .env("FELIX_USAGEREPORTINGENABLED", "false")
         .env("FELIX_LOGFILEPATH", "none")
         .env("FELIX_LOGSEVERITYSYS", "none")
-        .env("FELIX_LOGSEVERITYSCREEN", "info")
+        // DPH_TEST_FELIX_LOG=debug: Felix logs every message it sends.
+        .env(
+            "FELIX_LOGSEVERITYSCREEN",
+            std::env::var("DPH_TEST_FELIX_LOG").unwrap_or_else(|_| "info".into()),
+        )
         .env("FELIX_HEALTHENABLED", "true")
         // Its endpoint-status files in the test's directory, not the
         // host's /var/run/calico.

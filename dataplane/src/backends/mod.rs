@@ -26,26 +26,31 @@ use std::time::Duration;
 /// Order of the apply phases (Felix's `apply()`): devices that routes go
 /// through (VXLAN) first; IP sets are created and
 /// updated before the tables that reference them; routes and rules run
-/// beside them; tables next; IP-set deletions once nothing references the
-/// sets; node-wide settings (global forwarding) last, so that forwarding
-/// comes on only after the rules that police it (a failed phase stops the
-/// apply before it).
+/// beside them; tables next; then the workload interfaces' settings, whose
+/// `forwarding=1` lets the kernel forward IPv4 from the interface (it asks
+/// the input device's knob, not `ip_forward`): only once the rules that
+/// police it are in (seen with a real Felix: a new node's workloads talked
+/// unpoliced for the ~15 ms between the two); IP-set deletions once nothing
+/// references the sets; node-wide settings (global forwarding) last. A
+/// failed phase stops the apply before the next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
     Links,
     IpSetUpdates,
     RoutesAndRules,
     Tables,
+    InterfaceSettings,
     IpSetDeletions,
     NodeSettings,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 6] = [
+    pub const ALL: [Phase; 7] = [
         Phase::Links,
         Phase::IpSetUpdates,
         Phase::RoutesAndRules,
         Phase::Tables,
+        Phase::InterfaceSettings,
         Phase::IpSetDeletions,
         Phase::NodeSettings,
     ];

@@ -56,6 +56,7 @@ impl RecordingBackend {
                     Phase::IpSetUpdates => &[Phase::IpSetUpdates],
                     Phase::RoutesAndRules => &[Phase::RoutesAndRules],
                     Phase::Tables => &[Phase::Tables],
+                    Phase::InterfaceSettings => &[Phase::InterfaceSettings],
                     Phase::IpSetDeletions => &[Phase::IpSetDeletions],
                     Phase::NodeSettings => &[Phase::NodeSettings],
                 },
