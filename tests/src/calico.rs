@@ -116,6 +116,30 @@ impl Proc {
         )
     }
 
+    /// SIGKILL (as a crash or the OOM killer ends it); its exit status.
+    pub fn kill(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = child.kill();
+        child.wait().ok()
+    }
+
+    /// Waits up to `secs` for it to exit by itself.
+    pub fn wait_exit(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < until {
+            if let Some(st) = self.exited() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Whether its log holds `text`.
+    pub fn logged(&self, text: &str) -> bool {
+        std::fs::read_to_string(&self.log).is_ok_and(|l| l.contains(text))
+    }
+
     /// SIGTERM, then SIGKILL if it has not ended within 5 s.
     pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;
