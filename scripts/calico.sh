@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Calico programs the tests run beside dphandler — calico-felix,
-# calicoctl, etcd and our wire-table printer (tests/calico/wiredump) — from
+# calicoctl, etcd, our wire-table printer (tests/calico/wiredump) and our
+# IPAM helper (tests/calico/ipam: Calico's IPAM client assigning addresses,
+# which calicoctl cannot) — from
 # the Go module proxy, by module version, with CGO_ENABLED=0. Nothing of
 # Calico's source is in this repository: it is fetched like any crate.
 #
@@ -40,7 +42,7 @@ fi
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 
 stamp_of() { # what a build depends on besides the pins
-  cat "$0" "$root/tests/calico/wiredump/main.go" | sha256sum | cut -c1-16
+  cat "$0" "$root"/tests/calico/*/main.go | sha256sum | cut -c1-16
 }
 
 build() {
@@ -52,7 +54,7 @@ build() {
     return 0
   fi
   rm -rf "$dir"
-  mkdir -p "$dir/src/wiredump" "$dir/bin"
+  mkdir -p "$dir/src/wiredump" "$dir/src/ipam" "$dir/bin"
   local out
   # The proxy's answer for the module itself decides whether this label can
   # be built at all.
@@ -95,6 +97,7 @@ build() {
   } >"$dir/src/go.mod"
   rm -f "$dir/src/go.sum"
   cp "$root/tests/calico/wiredump/main.go" "$dir/src/wiredump/main.go"
+  cp "$root/tests/calico/ipam/main.go" "$dir/src/ipam/main.go"
   local ldflags="-X github.com/projectcalico/calico/pkg/buildinfo.Version=$label"
   ldflags+=" -X github.com/projectcalico/calico/pkg/buildinfo.GitRevision=${calico##*-}"
   echo "calico.sh: $label: building calico-felix, calicoctl, etcd $etcd_version (first time: minutes)"
@@ -103,7 +106,7 @@ build() {
     go build -trimpath -ldflags "$ldflags" -o "$dir/bin/" \
       github.com/projectcalico/calico/felix/cmd/calico-felix \
       github.com/projectcalico/calico/calicoctl/calicoctl \
-      ./wiredump
+      ./wiredump ./ipam
     go build -trimpath -o "$dir/bin/etcd" go.etcd.io/etcd/server/v3
   )
   "$dir/bin/wiredump" >"$dir/felix-wire.json"

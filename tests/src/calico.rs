@@ -166,16 +166,68 @@ impl Drop for Proc {
     }
 }
 
+/// Runs `test` against every Calico version built; skipped, saying so,
+/// only without root or without Go.
+pub fn each_version(test: fn(&Calico) -> Result<()>) -> Result<()> {
+    if !crate::privileged() {
+        return Ok(());
+    }
+    let Some(versions) = versions()? else {
+        eprintln!("SKIPPED: no Go toolchain: Calico cannot be built (scripts/calico.sh)");
+        return Ok(());
+    };
+    for c in &versions {
+        test(c)?;
+    }
+    Ok(())
+}
+
+/// Waits until `cond` holds, up to `secs`, trying every 20 ms; the time
+/// it took.
+pub fn until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) -> Result<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(secs) {
+        if cond() {
+            return Ok(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("{what}: not within {secs} s")
+}
+
+/// The daemon's rejection counter (its metrics, 127.0.0.1:9191 in `ns`).
+pub fn rejections(ns: &Netns) -> Result<f64> {
+    Ok(crate::lab::scrape(ns, 9191)?
+        .get("dphandler_grpc_rejections_total")
+        .copied()
+        .unwrap_or(0.0))
+}
+
 /// etcd on the namespace's loopback (127.0.0.1:2379), its data in `dir`.
 pub fn etcd(c: &Calico, ns: &Netns, dir: &Path) -> Result<Proc> {
+    etcd_on(c, ns, dir, None)
+}
+
+/// [`etcd`], also listening on `addr` (port 2379) for other namespaces.
+pub fn etcd_on(c: &Calico, ns: &Netns, dir: &Path, addr: Option<&str>) -> Result<Proc> {
     let mut cmd = ns.command(c.bin.join("etcd"));
+    let (listen, advertise) = match addr {
+        Some(a) => (
+            format!("http://127.0.0.1:2379,http://{a}:2379"),
+            format!("http://{a}:2379"),
+        ),
+        None => (
+            "http://127.0.0.1:2379".into(),
+            "http://127.0.0.1:2379".into(),
+        ),
+    };
     cmd.args([
         "--name",
         "dphandler-test",
         "--listen-client-urls",
-        "http://127.0.0.1:2379",
+        &listen,
         "--advertise-client-urls",
-        "http://127.0.0.1:2379",
+        &advertise,
         "--listen-peer-urls",
         "http://127.0.0.1:2380",
         "--initial-advertise-peer-urls",
@@ -219,6 +271,27 @@ pub fn calicoctl(c: &Calico, ns: &Netns, args: &[&str]) -> Result<String> {
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Calico's IPAM client (our helper, `tests/calico/ipam`) assigns `ip`
+/// to `host`, claiming its block for the host if it has none yet (as the
+/// CNI plugin and calico-node do); `use_` is `workload` or `tunnel`.
+pub fn ipam_assign(c: &Calico, ns: &Netns, ip: &str, host: &str, use_: &str) -> Result<()> {
+    let handle = format!("dphandler-test-{host}-{ip}").replace([':', '/'], "-");
+    let out = ns
+        .command(c.bin.join("ipam"))
+        .args(["assign", ip, host, &handle, use_])
+        .env("DATASTORE_TYPE", "etcdv3")
+        .env("ETCD_ENDPOINTS", "http://127.0.0.1:2379")
+        .output()
+        .context("running the ipam helper")?;
+    if !out.status.success() {
+        bail!(
+            "ipam assign {ip} {host}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
 
 /// `calicoctl apply` of YAML resources (one or more documents).
@@ -266,9 +339,10 @@ pub fn felix(
         .env("FELIX_ENDPOINTSTATUSPATHPREFIX", dir)
         .env("DPH_SOCKET", socket)
         .envs(extra_env.iter().copied());
-    Proc::spawn(
-        "calico-felix",
-        cmd,
-        dir.join(format!("felix-{hostname}.log")),
-    )
+    // A restarted Felix logs to a file of its own.
+    let log = (0..)
+        .map(|n| dir.join(format!("felix-{hostname}-{n}.log")))
+        .find(|l| !l.exists())
+        .expect("a free name");
+    Proc::spawn("calico-felix", cmd, log)
 }

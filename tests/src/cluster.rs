@@ -230,3 +230,31 @@ pub fn assert_all(from: &Netns, to: &str, want: bool, what: &str) {
         assert_eq!(got, want, "{what}: {p:?} to {to}");
     }
 }
+
+/// The `wireguard-go`s our daemons started, ended on drop: their pid
+/// files (in the daemons' state directories) name them; the UAPI socket a
+/// killed one leaves behind goes too.
+#[derive(Debug)]
+pub struct WgGoReaper(pub Vec<(std::path::PathBuf, String)>);
+
+impl WgGoReaper {
+    pub fn kill(pid_file: &std::path::Path) {
+        if let Ok(pid) = std::fs::read_to_string(pid_file)
+            && let Ok(pid) = pid.trim().parse::<i32>()
+        {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            // SIGKILL: a wireguard-go whose namespace is already gone can
+            // hang in its orderly shutdown.
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+impl Drop for WgGoReaper {
+    fn drop(&mut self) {
+        for (pid_file, iface) in &self.0 {
+            Self::kill(pid_file);
+            let _ = std::fs::remove_file(format!("/var/run/wireguard/{iface}.sock"));
+        }
+    }
+}

@@ -16,11 +16,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use dphandler_tests::calico::{self, Calico, Proc};
 use dphandler_tests::kernel;
 use dphandler_tests::lab::{self, Probe};
-use dphandler_tests::{Daemon, Netns, bin, privileged, tempdir};
+use dphandler_tests::{Daemon, Netns, bin, tempdir};
 
 const RESOURCES: &str = r#"
 apiVersion: projectcalico.org/v3
@@ -100,25 +100,6 @@ fn driver(dir: &Path) -> Result<std::path::PathBuf> {
     Ok(p)
 }
 
-/// Waits until `cond` holds, up to `secs`; the time it took.
-fn until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) -> Result<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(secs) {
-        if cond() {
-            return Ok(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    bail!("{what}: not within {secs} s")
-}
-
-fn rejections(host: &Netns) -> Result<f64> {
-    Ok(lab::scrape(host, 9191)?
-        .get("dphandler_grpc_rejections_total")
-        .copied()
-        .unwrap_or(0.0))
-}
-
 /// Every rule of ours, in each table (iptables or nftables, as the
 /// daemons under test program).
 fn ours(host: &Netns) -> Result<String> {
@@ -177,7 +158,8 @@ fn one_node(c: &Calico) -> Result<()> {
     };
     // (Timed by the allowed probe, which answers at once; a dropped one
     // waits out its timeout.)
-    let took = until(60, "the first verdicts", || quick(8080)).map_err(|e| fail(&felix, e))?;
+    let took =
+        calico::until(60, "the first verdicts", || quick(8080)).map_err(|e| fail(&felix, e))?;
     eprintln!(
         "Calico {}: Felix start → policies enforced: {took:?}",
         c.label
@@ -201,13 +183,13 @@ fn one_node(c: &Calico) -> Result<()> {
     // A policy changed with calicoctl apply: enforced, and how fast.
     let applied = Instant::now();
     calico::apply(c, &host, dir.path(), ALLOW_9090)?;
-    until(30, "the changed policy", || quick(9090)).map_err(|e| fail(&felix, e))?;
+    calico::until(30, "the changed policy", || quick(9090)).map_err(|e| fail(&felix, e))?;
     eprintln!(
         "Calico {}: calicoctl apply → enforced: {:?}",
         c.label,
         applied.elapsed()
     );
-    until(5, "8080 closed by the changed policy", || !verdict(8080))
+    calico::until(5, "8080 closed by the changed policy", || !verdict(8080))
         .map_err(|e| fail(&felix, e))?;
     assert!(!verdict(7070), "the security tier still denies");
 
@@ -235,7 +217,7 @@ fn one_node(c: &Calico) -> Result<()> {
         &host,
         &["delete", "workloadendpoint", "-n", "ns1", &web_wep],
     )?;
-    until(30, "the deleted endpoint's rules and route gone", || {
+    calico::until(30, "the deleted endpoint's rules and route gone", || {
         let routes = host
             .run("ip", &["route", "show", "table", "all"])
             .map(|o| o.stdout);
@@ -262,7 +244,7 @@ fn one_node(c: &Calico) -> Result<()> {
     assert!(!names_iface(&rules, "cali1").is_empty(), "{rules}");
 
     // Not one of Felix's messages was rejected.
-    assert_eq!(rejections(&host)?, 0.0, "{}", felix.tail(40));
+    assert_eq!(calico::rejections(&host)?, 0.0, "{}", felix.tail(40));
     let log = std::fs::read_to_string(&felix.log)?;
     assert!(!log.contains("rejected:"), "{}", felix.tail(40));
     // Our status updates carry the endpoint, which Felix's endpoint-status
@@ -277,25 +259,9 @@ fn one_node(c: &Calico) -> Result<()> {
     Ok(())
 }
 
-/// Runs `test` against every Calico version built; skipped, saying so,
-/// only without root or without Go.
-fn each_calico(test: fn(&Calico) -> Result<()>) -> Result<()> {
-    if !privileged() {
-        return Ok(());
-    }
-    let Some(versions) = calico::versions()? else {
-        eprintln!("SKIPPED: no Go toolchain: Calico cannot be built (scripts/calico.sh)");
-        return Ok(());
-    };
-    for c in &versions {
-        test(c)?;
-    }
-    Ok(())
-}
-
 #[test]
 fn a_real_felix_drives_the_daemon_on_one_node() -> Result<()> {
-    each_calico(one_node)
+    calico::each_version(one_node)
 }
 
 /// A TCP flow that sends a byte every 10 ms and reads its echo: how many
@@ -411,7 +377,7 @@ fn restarts(c: &Calico) -> Result<()> {
         )
     };
     let in_sync = |f: &Proc, what: &str| {
-        until(60, what, || f.logged("DataplaneInSync"))
+        calico::until(60, what, || f.logged("DataplaneInSync"))
             .map_err(|e| e.context(format!("Calico {}\n{}", c.label, f.tail(30))))
     };
     let mut felix = start_felix()?;
@@ -490,12 +456,12 @@ fn restarts(c: &Calico) -> Result<()> {
         missing, 0,
         "a rule was missing at some instant:\n{first_bad}"
     );
-    assert_eq!(rejections(&host)?, 0.0, "{}", felix.tail(40));
+    assert_eq!(calico::rejections(&host)?, 0.0, "{}", felix.tail(40));
     drop(d);
     Ok(())
 }
 
 #[test]
 fn felix_and_the_daemon_restarted_under_traffic() -> Result<()> {
-    each_calico(restarts)
+    calico::each_version(restarts)
 }

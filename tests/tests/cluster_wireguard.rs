@@ -8,7 +8,6 @@
 //! state directories), also on failure. Needs root, `wireguard-go` and
 //! `wg` (wireguard-tools).
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -20,33 +19,6 @@ use dphandler_tests::lab::{Capture, Probe, probe, scrape, yaml_msgs};
 use dphandler_tests::traffic::Pinger;
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 use tonic::Streaming;
-
-/// The `wireguard-go`s our daemons started, ended on drop: their pid
-/// files (in the daemons' state directories) name them; the UAPI socket a
-/// killed one leaves behind goes too.
-struct WgGoReaper(Vec<(PathBuf, String)>);
-
-impl WgGoReaper {
-    fn kill(pid_file: &Path) {
-        if let Ok(pid) = std::fs::read_to_string(pid_file)
-            && let Ok(pid) = pid.trim().parse::<i32>()
-        {
-            let pid = nix::unistd::Pid::from_raw(pid);
-            // SIGKILL: a wireguard-go whose namespace is already gone can
-            // hang in its orderly shutdown.
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-        }
-    }
-}
-
-impl Drop for WgGoReaper {
-    fn drop(&mut self) {
-        for (pid_file, iface) in &self.0 {
-            Self::kill(pid_file);
-            let _ = std::fs::remove_file(format!("/var/run/wireguard/{iface}.sock"));
-        }
-    }
-}
 
 /// The next WireGuard key of IP version `v` (4 or 6) a StatusUpdates
 /// stream carries.

@@ -523,6 +523,30 @@ fn no_encap_and_ipip_pools() {
 }
 
 #[test]
+fn a_pools_cidr_over_the_blocks_carved_from_it_is_no_overlap() {
+    // Felix sends every pool's CIDR as a route of no node (CIDR_INFO):
+    // it covers the nodes' blocks, before or after them (a real Felix's
+    // first snapshot was refused for it).
+    let m = vxlan_node();
+    let pool = Route {
+        dst_node_name: None,
+        dst_node_ip: None,
+        ..route(0, POOL_VXLAN, "10.65.0.0/16", "-", "0.0.0.0")
+    };
+    m.check(&Update::Route(pool.clone())).unwrap();
+    let mut m = vxlan_node();
+    m.on_update(&Update::Route(pool));
+    m.check(&Update::Route(route(
+        REMOTE_WORKLOAD,
+        POOL_VXLAN,
+        "10.65.3.0/26",
+        "node3",
+        "172.31.77.3",
+    )))
+    .unwrap();
+}
+
+#[test]
 fn bad_input_is_refused_with_a_reason() {
     let m = vxlan_node();
     let overlap = Update::Route(route(

@@ -142,13 +142,18 @@ impl RoutesManager {
     }
 
     /// Blocks (not single addresses) of `dst`'s version that overlap `dst`
-    /// without being it, and whose owner differs.
+    /// without being it, and whose owner differs. Only a node's routes are
+    /// blocks: a route of no node (an IP pool's CIDR, `CIDR_INFO`, which
+    /// Felix sends for every pool) covers the blocks carved from it.
     pub(super) fn overlapping(&self, r: &Route) -> Option<&Route> {
-        if is_host_prefix(&r.dst) {
+        if is_host_prefix(&r.dst) || r.dst_node_name.is_none() {
             return None;
         }
         let another_nodes = |o: &&Route| {
-            o.dst != r.dst && !is_host_prefix(&o.dst) && o.dst_node_name != r.dst_node_name
+            o.dst != r.dst
+                && !is_host_prefix(&o.dst)
+                && o.dst_node_name.is_some()
+                && o.dst_node_name != r.dst_node_name
         };
         // Blocks that contain it: one candidate per shorter prefix.
         for len in 0..r.dst.prefix_len() {
