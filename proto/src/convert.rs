@@ -730,12 +730,12 @@ fn rule(r: &felix::Rule) -> Valid<Rule> {
     if r.http_match.is_some() {
         unsupported.push("http_match");
     }
-    if r.src_service_account_match.is_some() {
-        unsupported.push("src_service_account_match");
-    }
-    if r.dst_service_account_match.is_some() {
-        unsupported.push("dst_service_account_match");
-    }
+    // A service-account match is not one: Felix's calc graph has already
+    // folded it into the rule's IP sets (libcalico-go's
+    // `GetEntityRuleSelector`: namespace, label and service-account
+    // selectors in one), and sends it besides only for the application
+    // layer (Dikastes); Felix's own iptables and nftables ignore it, and so
+    // do we. (Refusing it dropped a real Felix's allow by service account.)
     let ids = |v: &[String], f: &str| list(v, f, Id::new);
     let out = Rule {
         action: Some(at(Action::parse(&r.action), "action")?),

@@ -81,6 +81,192 @@ spec:
   - {action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [8080, 7070]}}
 "#;
 
+/// More of what a cluster holds, for the one-node test: a second
+/// namespace with a workload in it (`other`, 10.65.0.4, cali3), service
+/// accounts as Calico's Kubernetes mode models them (the pod's
+/// `projectcalico.org/serviceaccount` label, which `serviceAccounts.names`
+/// matches, and a `ksa.` profile whose labels it inherits), a named port on the web workload, and policies
+/// selecting by namespace, service account, named port and CIDR, in both
+/// directions. The verdicts: [`MATRIX`].
+const MORE: &str = r#"
+apiVersion: projectcalico.org/v3
+kind: Profile
+metadata: {name: ns2}
+spec:
+  labelsToApply: {pcns.projectcalico.org/name: ns2}
+  ingress: [{action: Allow}]
+  egress: [{action: Allow}]
+---
+apiVersion: projectcalico.org/v3
+kind: Profile
+metadata: {name: ksa.ns1.sa1}
+spec: {labelsToApply: {pcsa.projectcalico.org/name: sa1}}
+---
+apiVersion: projectcalico.org/v3
+kind: Profile
+metadata: {name: ksa.ns2.sa2}
+spec: {labelsToApply: {pcsa.projectcalico.org/name: sa2}}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node1-k8s-client-eth0, namespace: ns1, labels: {app: client, projectcalico.org/namespace: ns1,
+          projectcalico.org/serviceaccount: sa1}}
+spec: {node: node1, orchestrator: k8s, pod: client, endpoint: eth0, interfaceName: cali1,
+       mac: "02:00:00:00:00:01", ipNetworks: [10.65.0.2/32], profiles: [ns1, ksa.ns1.sa1],
+       serviceAccountName: sa1}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node1-k8s-web-eth0, namespace: ns1, labels: {app: web, projectcalico.org/namespace: ns1}}
+spec: {node: node1, orchestrator: k8s, pod: web, endpoint: eth0, interfaceName: cali2,
+       mac: "02:00:00:00:00:02", ipNetworks: [10.65.0.3/32], profiles: [ns1],
+       ports: [{name: metrics, protocol: TCP, port: 6100}]}
+---
+apiVersion: projectcalico.org/v3
+kind: WorkloadEndpoint
+metadata: {name: node1-k8s-other-eth0, namespace: ns2, labels: {app: other, projectcalico.org/namespace: ns2,
+          projectcalico.org/serviceaccount: sa2}}
+spec: {node: node1, orchestrator: k8s, pod: other, endpoint: eth0, interfaceName: cali3,
+       mac: "02:00:00:00:00:03", ipNetworks: [10.65.0.4/32], profiles: [ns2, ksa.ns2.sa2],
+       serviceAccountName: sa2}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: allow-web}
+spec:
+  order: 100
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - {action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [8080, 7070, 6200]}}
+---
+apiVersion: projectcalico.org/v3
+kind: NetworkPolicy
+metadata: {name: udp-from-ns1, namespace: ns1}
+spec:
+  order: 200
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - {action: Allow, protocol: UDP, source: {namespaceSelector: projectcalico.org/name == 'ns1'}, destination: {ports: [5353]}}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: from-sa1}
+spec:
+  order: 300
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - {action: Allow, protocol: TCP, source: {serviceAccounts: {names: [sa1]}}, destination: {ports: [6000]}}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: metrics-from-other}
+spec:
+  order: 400
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - {action: Allow, protocol: TCP, source: {nets: [10.65.0.4/32]}, destination: {ports: [metrics]}}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: client-egress}
+spec:
+  order: 500
+  selector: app == 'client'
+  types: [Egress]
+  egress:
+  - {action: Deny, protocol: TCP, destination: {ports: [6200]}}
+  - {action: Allow}
+"#;
+
+/// (from, to, probe, allowed, why) once [`RESOURCES`] and [`MORE`] hold.
+const MATRIX: [(&str, &str, Probe, bool, &str); 13] = [
+    ("client", "web", Probe::Tcp(8080), true, "allow-web"),
+    (
+        "client",
+        "web",
+        Probe::Tcp(7070),
+        false,
+        "the security tier's Deny",
+    ),
+    (
+        "client",
+        "web",
+        Probe::Tcp(9090),
+        false,
+        "no policy: the tier drops",
+    ),
+    (
+        "other",
+        "web",
+        Probe::Tcp(8080),
+        false,
+        "allow-web is from app == client",
+    ),
+    ("client", "web", Probe::Udp(5353), true, "namespace ns1"),
+    ("other", "web", Probe::Udp(5353), false, "namespace ns2"),
+    (
+        "client",
+        "web",
+        Probe::Tcp(6000),
+        true,
+        "service account sa1",
+    ),
+    (
+        "other",
+        "web",
+        Probe::Tcp(6000),
+        false,
+        "service account sa2",
+    ),
+    (
+        "other",
+        "web",
+        Probe::Tcp(6100),
+        true,
+        "named port, from its CIDR",
+    ),
+    (
+        "client",
+        "web",
+        Probe::Tcp(6100),
+        false,
+        "named port, not from its CIDR",
+    ),
+    (
+        "client",
+        "web",
+        Probe::Tcp(6200),
+        false,
+        "the client's egress Deny",
+    ),
+    (
+        "web",
+        "client",
+        Probe::Icmp,
+        true,
+        "the profile (no policy on the client's ingress)",
+    ),
+    (
+        "client",
+        "web",
+        Probe::Icmp,
+        false,
+        "no policy allows ICMP to web",
+    ),
+];
+
+fn addr(name: &str) -> &'static str {
+    match name {
+        "client" => "10.65.0.2",
+        "web" => "10.65.0.3",
+        _ => "10.65.0.4",
+    }
+}
+
 /// The same policy, now allowing 9090 instead of 8080.
 const ALLOW_9090: &str = r#"
 apiVersion: projectcalico.org/v3
@@ -126,12 +312,14 @@ fn one_node(c: &Calico) -> Result<()> {
     host.run("ip", &["addr", "add", "172.31.50.1/24", "dev", "lo"])?;
     let client = lab::workload_v4(&host, "cali1", 1, "10.65.0.2")?;
     let web = lab::workload_v4(&host, "cali2", 2, "10.65.0.3")?;
-    let _servers = lab::serve(&web.0, &[7070, 8080, 9090], &[]);
+    let other = lab::workload_v4(&host, "cali3", 3, "10.65.0.4")?;
+    let _servers = lab::serve(&web.0, &[6000, 6100, 6200, 7070, 8080, 9090], &[5353]);
 
     let _etcd = calico::etcd(c, &host, dir.path())?;
     let socket = dir.path().join("dp.sock");
     let d = Daemon::start(&host, &socket, &["--hostname", "node1", "--ipv6", "false"])?;
     calico::apply(c, &host, dir.path(), RESOURCES)?;
+    calico::apply(c, &host, dir.path(), MORE)?;
     let mut felix = calico::felix(
         c,
         &host,
@@ -167,18 +355,27 @@ fn one_node(c: &Calico) -> Result<()> {
     // At the first allowed packet every rule is in: the workload
     // interfaces' forwarding comes on only after the tables (it came on
     // before them, and in 3 of 15 runs 7070 got through here).
-    assert!(verdict(8080), "allowed by allow-web after security passes");
+    assert!(!verdict(7070), "7070 at the first allowed packet");
+    // Then every verdict of the matrix.
+    let ns_of = |name: &str| match name {
+        "client" => &client,
+        "web" => &web,
+        _ => &other,
+    };
+    let wrong: Vec<String> = MATRIX
+        .iter()
+        .filter(|(from, to, p, want, _)| lab::probe(ns_of(from), addr(to), *p) != *want)
+        .map(|(from, to, p, want, why)| format!("{from} → {to} {p:?}: want {want} ({why})"))
+        .collect();
     assert!(
-        !verdict(7070),
-        "denied by the security tier before allow-web"
+        wrong.is_empty(),
+        "verdicts:\n{}\nrules:\n{}\nsets:\n{}",
+        wrong.join("\n"),
+        ours(&host).unwrap_or_default(),
+        host.run("ipset", &["save"])
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
     );
-    assert!(
-        !verdict(9090),
-        "no policy allows it: the default tier drops"
-    );
-    // The profile (no policy selects the client): the client's own egress
-    // and ingress are open.
-    assert!(lab::probe(&web, "10.65.0.2", Probe::Icmp), "profile allows");
 
     // A policy changed with calicoctl apply: enforced, and how fast.
     let applied = Instant::now();

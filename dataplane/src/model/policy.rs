@@ -182,8 +182,8 @@ pub struct Rule {
     pub not_dst_ip_set_ids: Vec<Id>,
     pub not_src_named_port_ip_set_ids: Vec<Id>,
     pub not_dst_named_port_ip_set_ids: Vec<Id>,
-    /// Matches this dataplane cannot enforce (HTTP, service accounts). A rule
-    /// with any of these fails closed: it never allows.
+    /// Matches this dataplane cannot enforce (HTTP: the application
+    /// layer's). A rule with any of these fails closed: it never allows.
     pub unsupported: Vec<&'static str>,
     pub rule_id: Option<Id>,
 }

@@ -206,7 +206,7 @@ fn unenforceable_matches_fail_closed() {
     let deny = Rule {
         action: Some(Action::Deny),
         protocol: Some(Protocol::TCP),
-        unsupported: vec!["src_service_account_match"],
+        unsupported: vec!["http_match"],
         ..Rule::default()
     };
     assert_eq!(

@@ -206,6 +206,34 @@ fn unsupported_matches_are_recorded() {
 }
 
 #[test]
+fn a_service_account_match_is_in_the_ip_sets_already() {
+    // As Felix sends `serviceAccounts: {names: [sa1]}`: the IP set of the
+    // endpoints it selects, and the match itself for the application layer.
+    let p = Payload::ActiveProfileUpdate(felix::ActiveProfileUpdate {
+        id: Some(felix::ProfileId {
+            name: "kns.default".into(),
+        }),
+        profile: Some(felix::Profile {
+            inbound_rules: vec![felix::Rule {
+                action: "allow".into(),
+                src_ip_set_ids: vec!["s:sa1".into()],
+                src_service_account_match: Some(felix::ServiceAccountMatch {
+                    names: vec!["sa1".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            outbound_rules: vec![],
+        }),
+    });
+    let Update::Profile(_, p) = to_update(msg(1, p)).unwrap().unwrap() else {
+        panic!()
+    };
+    assert!(p.inbound_rules[0].unsupported.is_empty());
+    assert_eq!(p.inbound_rules[0].src_ip_set_ids[0].as_str(), "s:sa1");
+}
+
+#[test]
 fn workload_endpoints() {
     let wep = |name: &str, nets: Vec<String>| {
         Payload::WorkloadEndpointUpdate(felix::WorkloadEndpointUpdate {
