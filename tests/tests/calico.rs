@@ -9,7 +9,8 @@
 //! nothing of ours behind; and the daemon rejects none of Felix's messages.
 //! Then Felix killed and restarted, and the daemon restarted under a
 //! running Felix, with an established flow and our rules watched
-//! throughout: no exchange lost, no rule missing at any read.
+//! throughout: no exchange lost, no rule missing at any read. And a host
+//! endpoint with its policy, from outside the node.
 //!
 //! Skipped, saying so, only where there is no Go toolchain. Needs root.
 
@@ -661,4 +662,88 @@ fn restarts(c: &Calico) -> Result<()> {
 #[test]
 fn felix_and_the_daemon_restarted_under_traffic() -> Result<()> {
     calico::each_version(restarts)
+}
+
+/// A host endpoint under a real Felix: the node's interface toward an
+/// outside network (`hep0`, 192.168.77.1; the outside namespace .2), a
+/// HostEndpoint for it with a label, and a GlobalNetworkPolicy selecting
+/// it that allows TCP 8081 in: 8082 is dropped, Felix's failsafe port 22
+/// stays open, and nothing else of the node changes (the workload's
+/// traffic to the host goes on as before).
+fn host_endpoint(c: &Calico) -> Result<()> {
+    let dir = tempdir()?;
+    let host = Netns::new("calh")?;
+    let outside = Netns::new("calo")?;
+    host.run("ip", &["link", "set", "lo", "up"])?;
+    outside.run("ip", &["link", "set", "lo", "up"])?;
+    host.run(
+        "ip",
+        &[
+            "link", "add", "hep0", "type", "veth", "peer", "name", "eth0", "netns", &outside.0,
+        ],
+    )?;
+    host.run("ip", &["addr", "add", "192.168.77.1/24", "dev", "hep0"])?;
+    host.run("ip", &["link", "set", "hep0", "up"])?;
+    outside.run("ip", &["addr", "add", "192.168.77.2/24", "dev", "eth0"])?;
+    outside.run("ip", &["link", "set", "eth0", "up"])?;
+    let _servers = lab::serve(&host.0, &[22, 8081, 8082], &[]);
+
+    let _etcd = calico::etcd(c, &host, dir.path())?;
+    let socket = dir.path().join("dp.sock");
+    let d = Daemon::start(&host, &socket, &["--hostname", "node1", "--ipv6", "false"])?;
+    calico::apply(
+        c,
+        &host,
+        dir.path(),
+        r#"
+apiVersion: projectcalico.org/v3
+kind: Node
+metadata: {name: node1}
+spec: {bgp: {ipv4Address: 192.168.77.1/24}}
+---
+apiVersion: projectcalico.org/v3
+kind: HostEndpoint
+metadata: {name: node1-hep0, labels: {role: edge}}
+spec: {node: node1, interfaceName: hep0, expectedIPs: [192.168.77.1]}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: edge-in}
+spec:
+  selector: role == 'edge'
+  types: [Ingress]
+  ingress:
+  - {action: Allow, protocol: TCP, destination: {ports: [8081]}}
+"#,
+    )?;
+    let open = |port| lab::probe(&outside, "192.168.77.1", Probe::Tcp(port));
+    // Before Felix: no host endpoint, everything open.
+    assert!(open(8082), "8082 before any policy");
+    let felix = calico::felix(
+        c,
+        &host,
+        dir.path(),
+        "node1",
+        &driver(dir.path())?,
+        &socket,
+        &[("FELIX_IPV6SUPPORT", "false")],
+    )?;
+    let took = calico::until(60, "8082 dropped by the host endpoint's policy", || {
+        !open(8082)
+    })
+    .map_err(|e| e.context(felix.tail(40)))?;
+    eprintln!(
+        "Calico {}: host endpoint policy enforced after {took:?}",
+        c.label
+    );
+    assert!(open(8081), "allowed by edge-in");
+    assert!(open(22), "Felix's failsafe inbound port");
+    assert_eq!(calico::rejections(&host)?, 0.0, "{}", felix.tail(40));
+    drop(d);
+    Ok(())
+}
+
+#[test]
+fn a_host_endpoint_under_a_real_felix() -> Result<()> {
+    calico::each_version(host_endpoint)
 }
