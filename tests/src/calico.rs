@@ -346,3 +346,103 @@ pub fn felix(
         .expect("a free name");
     Proc::spawn("calico-felix", cmd, log)
 }
+
+/// A Kubernetes namespace and one of its service accounts as Calico's
+/// Kubernetes mode models them: the namespace's profile `<ns>` (allow
+/// all; its label `projectcalico.org/name` for namespace selectors) and
+/// the service account's profile `ksa.<ns>.<sa>`.
+pub fn namespace_yaml(ns: &str, sa: &str) -> String {
+    format!(
+        "---\napiVersion: projectcalico.org/v3\nkind: Profile\nmetadata: {{name: {ns}}}\n\
+         spec:\n  labelsToApply: {{pcns.projectcalico.org/name: {ns}}}\n\
+         \x20 ingress: [{{action: Allow}}]\n  egress: [{{action: Allow}}]\n\
+         ---\napiVersion: projectcalico.org/v3\nkind: Profile\nmetadata: {{name: ksa.{ns}.{sa}}}\n\
+         spec: {{labelsToApply: {{pcsa.projectcalico.org/name: {sa}}}}}\n"
+    )
+}
+
+/// Pod `app` of namespace `ns` (service account `sa`) on node1: its
+/// WorkloadEndpoint on `iface`, MAC 02:00:00:00:00:0`n`, address `ip`;
+/// `extra` is more of its spec (`ports: [...]`).
+pub fn pod_yaml(
+    ns: &str,
+    sa: &str,
+    app: &str,
+    iface: &str,
+    n: u8,
+    ip: &str,
+    extra: &str,
+) -> String {
+    format!(
+        "---\napiVersion: projectcalico.org/v3\nkind: WorkloadEndpoint\n\
+         metadata: {{name: node1-k8s-{app}-eth0, namespace: {ns}, labels: {{app: {app}, \
+         projectcalico.org/namespace: {ns}, projectcalico.org/serviceaccount: {sa}}}}}\n\
+         spec: {{node: node1, orchestrator: k8s, pod: {app}, endpoint: eth0, interfaceName: {iface}, \
+         mac: '02:00:00:00:00:0{n}', ipNetworks: ['{ip}/32'], profiles: [{ns}, ksa.{ns}.{sa}], \
+         serviceAccountName: {sa}{extra}}}\n"
+    )
+}
+
+/// One node of a cluster (the one-node tests): its Node, a pool without
+/// encapsulation, namespace ns1 with a client and a web pod (cali1
+/// 10.65.0.2, cali2 10.65.0.3 with a named port `metrics`, TCP 6100), a
+/// tier `security` whose policy denies TCP 7070 to web and passes the
+/// rest, and `allow-web` allowing the client TCP 8080 and 7070.
+pub fn one_node() -> String {
+    let mut y = String::from(
+        "apiVersion: projectcalico.org/v3\nkind: Node\nmetadata: {name: node1}\n\
+         spec: {bgp: {ipv4Address: 172.31.50.1/24}}\n\
+         ---\napiVersion: projectcalico.org/v3\nkind: IPPool\nmetadata: {name: pool1}\n\
+         spec: {cidr: 10.65.0.0/16, ipipMode: Never, vxlanMode: Never, natOutgoing: false}\n",
+    );
+    y += &namespace_yaml("ns1", "sa1");
+    y += &pod_yaml("ns1", "sa1", "client", "cali1", 1, "10.65.0.2", "");
+    y += &pod_yaml(
+        "ns1",
+        "sa1",
+        "web",
+        "cali2",
+        2,
+        "10.65.0.3",
+        ", ports: [{name: metrics, protocol: TCP, port: 6100}]",
+    );
+    y += POLICIES;
+    y + &allow_web_yaml("8080, 7070")
+}
+
+/// `allow-web`: web allows the client TCP `ports`.
+pub fn allow_web_yaml(ports: &str) -> String {
+    format!(
+        "---\napiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: allow-web}}\n\
+         spec:\n  order: 100\n  selector: app == 'web'\n  types: [Ingress]\n  ingress:\n\
+         \x20 - {{action: Allow, protocol: TCP, source: {{selector: app == 'client'}}, \
+         destination: {{ports: [{ports}]}}}}\n"
+    )
+}
+
+const POLICIES: &str = r#"---
+apiVersion: projectcalico.org/v3
+kind: Tier
+metadata: {name: security}
+spec: {order: 100}
+---
+apiVersion: projectcalico.org/v3
+kind: GlobalNetworkPolicy
+metadata: {name: security.block-7070}
+spec:
+  tier: security
+  order: 10
+  selector: app == 'web'
+  types: [Ingress]
+  ingress:
+  - {action: Deny, protocol: TCP, destination: {ports: [7070]}}
+  - {action: Pass}
+"#;
+
+/// `dphandler-felix-driver` in `dir`: the symlink to dphctl that
+/// `FELIX_DATAPLANEDRIVER` names.
+pub fn driver(dir: &Path) -> Result<PathBuf> {
+    let p = dir.join("dphandler-felix-driver");
+    std::os::unix::fs::symlink(crate::bin("dphctl"), &p)?;
+    Ok(p)
+}

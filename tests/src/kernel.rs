@@ -266,3 +266,64 @@ pub fn without_counters(text: &str) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// Every rule of ours in the IPv4 tables (iptables or nftables, as the
+/// daemons under test program).
+pub fn all_our_rules(host: &Netns) -> Result<String> {
+    let mut text = String::new();
+    for table in ["raw", "mangle", "nat", "filter"] {
+        text.push_str(&our_rules(host, false, table)?);
+        text.push('\n');
+    }
+    Ok(text)
+}
+
+/// Reads our IPv4 filter rules every 20 ms in a thread: how many reads
+/// found fewer than `baseline` rules (the count with everything in
+/// place) or lacked one of `ifaces`.
+#[derive(Debug)]
+pub struct RuleWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<(u64, u64, String)>>,
+}
+
+impl RuleWatch {
+    pub fn start(host: &Netns, baseline: usize, ifaces: &[&str]) -> Self {
+        use std::sync::atomic::Ordering;
+        let host = Netns(host.0.clone());
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let ifaces: Vec<String> = ifaces.iter().map(|s| s.to_string()).collect();
+        let thread = std::thread::spawn(move || {
+            let (mut missing, mut samples, mut first_bad) = (0u64, 0u64, String::new());
+            while !flag.load(Ordering::Relaxed) {
+                let read = our_rules(&host, false, "filter")
+                    .and_then(|r| Ok((our_rule_count(&host, false, "filter")?, r)));
+                if let Ok((count, r)) = read {
+                    samples += 1;
+                    let whole = count >= baseline && ifaces.iter().all(|i| r.contains(i.as_str()));
+                    if !whole {
+                        missing += 1;
+                        if first_bad.is_empty() {
+                            first_bad = format!("{count} rules of {baseline}:\n{r}");
+                        }
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            // The Netns is the test's: not removed here.
+            std::mem::forget(host);
+            (missing, samples, first_bad)
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// (incomplete reads, reads, the first incomplete one).
+    pub fn finish(mut self) -> (u64, u64, String) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().unwrap().join().unwrap()
+    }
+}

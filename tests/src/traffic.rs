@@ -4,7 +4,8 @@
 //! connection that gets through is counted, with when). Runs in threads
 //! entered into the client's namespace; traffic goes only to the target
 //! the test names, an address inside its own namespaces. And a `ping`
-//! across a change ([`Pinger`]) for the multi-node tests.
+//! across a change ([`Pinger`]) for the multi-node tests, and an
+//! established TCP flow across restarts ([`EchoFlow`]).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
@@ -237,5 +238,46 @@ impl Drop for Pinger {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// An established TCP flow (to an echo server, `lab::echo`): a byte every
+/// 10 ms and its echo back; [`EchoFlow::finish`] says how many exchanges
+/// failed of how many made.
+#[derive(Debug)]
+pub struct EchoFlow {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<(u64, u64)>>,
+}
+
+impl EchoFlow {
+    pub fn start(from: &Netns, to: SocketAddr) -> Result<Self> {
+        use std::io::{Read, Write};
+        let mut s = crate::lab::connect(from, to).context("the flow's connection")?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let (mut failed, mut made) = (0u64, 0u64);
+            let mut b = [0u8; 1];
+            while !flag.load(Ordering::Relaxed) {
+                made += 1;
+                if s.write_all(b"x").is_err() || s.read_exact(&mut b).is_err() {
+                    failed += 1;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            (failed, made)
+        });
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// (failed, made).
+    pub fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().unwrap().join().unwrap()
     }
 }

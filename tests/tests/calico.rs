@@ -7,139 +7,33 @@
 //! verdicts follow the policies; a policy changed with `calicoctl apply` is
 //! enforced (the time is printed); a deleted WorkloadEndpoint leaves
 //! nothing of ours behind; and the daemon rejects none of Felix's messages.
-//! Then Felix killed and restarted, and the daemon restarted under a
-//! running Felix, with an established flow and our rules watched
-//! throughout: no exchange lost, no rule missing at any read. And a host
-//! endpoint with its policy, from outside the node.
+//! And a host endpoint with its policy, from outside the node. (Restarts:
+//! `calico_restarts.rs`.)
 //!
 //! Skipped, saying so, only where there is no Go toolchain. Needs root.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use dphandler_tests::calico::{self, Calico, Proc};
 use dphandler_tests::kernel;
 use dphandler_tests::lab::{self, Probe};
-use dphandler_tests::{Daemon, Netns, bin, tempdir};
-
-const RESOURCES: &str = r#"
-apiVersion: projectcalico.org/v3
-kind: Node
-metadata: {name: node1}
-spec: {bgp: {ipv4Address: 172.31.50.1/24}}
----
-apiVersion: projectcalico.org/v3
-kind: IPPool
-metadata: {name: pool1}
-spec: {cidr: 10.65.0.0/16, ipipMode: Never, vxlanMode: Never, natOutgoing: false}
----
-apiVersion: projectcalico.org/v3
-kind: Profile
-metadata: {name: ns1}
-spec:
-  labelsToApply: {pcns.projectcalico.org/name: ns1}
-  ingress: [{action: Allow}]
-  egress: [{action: Allow}]
----
-apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata: {namespace: ns1, labels: {app: client, projectcalico.org/namespace: ns1}}
-spec: {node: node1, orchestrator: k8s, pod: client, endpoint: eth0, interfaceName: cali1,
-       mac: "02:00:00:00:00:01", ipNetworks: [10.65.0.2/32], profiles: [ns1]}
----
-apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata: {namespace: ns1, labels: {app: web, projectcalico.org/namespace: ns1}}
-spec: {node: node1, orchestrator: k8s, pod: web, endpoint: eth0, interfaceName: cali2,
-       mac: "02:00:00:00:00:02", ipNetworks: [10.65.0.3/32], profiles: [ns1]}
----
-apiVersion: projectcalico.org/v3
-kind: Tier
-metadata: {name: security}
-spec: {order: 100}
----
-apiVersion: projectcalico.org/v3
-kind: GlobalNetworkPolicy
-metadata: {name: security.block-7070}
-spec:
-  tier: security
-  order: 10
-  selector: app == 'web'
-  types: [Ingress]
-  ingress:
-  - {action: Deny, protocol: TCP, destination: {ports: [7070]}}
-  - {action: Pass}
----
-apiVersion: projectcalico.org/v3
-kind: GlobalNetworkPolicy
-metadata: {name: allow-web}
-spec:
-  order: 100
-  selector: app == 'web'
-  types: [Ingress]
-  ingress:
-  - {action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [8080, 7070]}}
-"#;
+use dphandler_tests::{Daemon, Netns, tempdir};
 
 /// More of what a cluster holds, for the one-node test: a second
-/// namespace with a workload in it (`other`, 10.65.0.4, cali3), service
-/// accounts as Calico's Kubernetes mode models them (the pod's
-/// `projectcalico.org/serviceaccount` label, which `serviceAccounts.names`
-/// matches, and a `ksa.` profile whose labels it inherits), a named port on the web workload, and policies
-/// selecting by namespace, service account, named port and CIDR, in both
+/// namespace with a workload in it (`other`, 10.65.0.4, cali3, service
+/// account sa2), and policies selecting by namespace, service account
+/// (`serviceAccounts.names` matches the pod's
+/// `projectcalico.org/serviceaccount` label), named port and CIDR, in both
 /// directions. The verdicts: [`MATRIX`].
-const MORE: &str = r#"
-apiVersion: projectcalico.org/v3
-kind: Profile
-metadata: {name: ns2}
-spec:
-  labelsToApply: {pcns.projectcalico.org/name: ns2}
-  ingress: [{action: Allow}]
-  egress: [{action: Allow}]
----
-apiVersion: projectcalico.org/v3
-kind: Profile
-metadata: {name: ksa.ns1.sa1}
-spec: {labelsToApply: {pcsa.projectcalico.org/name: sa1}}
----
-apiVersion: projectcalico.org/v3
-kind: Profile
-metadata: {name: ksa.ns2.sa2}
-spec: {labelsToApply: {pcsa.projectcalico.org/name: sa2}}
----
-apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata: {name: node1-k8s-client-eth0, namespace: ns1, labels: {app: client, projectcalico.org/namespace: ns1,
-          projectcalico.org/serviceaccount: sa1}}
-spec: {node: node1, orchestrator: k8s, pod: client, endpoint: eth0, interfaceName: cali1,
-       mac: "02:00:00:00:00:01", ipNetworks: [10.65.0.2/32], profiles: [ns1, ksa.ns1.sa1],
-       serviceAccountName: sa1}
----
-apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata: {name: node1-k8s-web-eth0, namespace: ns1, labels: {app: web, projectcalico.org/namespace: ns1}}
-spec: {node: node1, orchestrator: k8s, pod: web, endpoint: eth0, interfaceName: cali2,
-       mac: "02:00:00:00:00:02", ipNetworks: [10.65.0.3/32], profiles: [ns1],
-       ports: [{name: metrics, protocol: TCP, port: 6100}]}
----
-apiVersion: projectcalico.org/v3
-kind: WorkloadEndpoint
-metadata: {name: node1-k8s-other-eth0, namespace: ns2, labels: {app: other, projectcalico.org/namespace: ns2,
-          projectcalico.org/serviceaccount: sa2}}
-spec: {node: node1, orchestrator: k8s, pod: other, endpoint: eth0, interfaceName: cali3,
-       mac: "02:00:00:00:00:03", ipNetworks: [10.65.0.4/32], profiles: [ns2, ksa.ns2.sa2],
-       serviceAccountName: sa2}
----
-apiVersion: projectcalico.org/v3
-kind: GlobalNetworkPolicy
-metadata: {name: allow-web}
-spec:
-  order: 100
-  selector: app == 'web'
-  types: [Ingress]
-  ingress:
-  - {action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [8080, 7070, 6200]}}
+fn more() -> String {
+    calico::namespace_yaml("ns2", "sa2")
+        + &calico::pod_yaml("ns2", "sa2", "other", "cali3", 3, "10.65.0.4", "")
+        + &calico::allow_web_yaml("8080, 7070, 6200")
+        + MORE_POLICIES
+}
+
+const MORE_POLICIES: &str = r#"
 ---
 apiVersion: projectcalico.org/v3
 kind: NetworkPolicy
@@ -183,7 +77,7 @@ spec:
   - {action: Allow}
 "#;
 
-/// (from, to, probe, allowed, why) once [`RESOURCES`] and [`MORE`] hold.
+/// (from, to, probe, allowed, why) once `calico::one_node()` and [`more()`] hold.
 const MATRIX: [(&str, &str, Probe, bool, &str); 13] = [
     ("client", "web", Probe::Tcp(8080), true, "allow-web"),
     (
@@ -268,36 +162,6 @@ fn addr(name: &str) -> &'static str {
     }
 }
 
-/// The same policy, now allowing 9090 instead of 8080.
-const ALLOW_9090: &str = r#"
-apiVersion: projectcalico.org/v3
-kind: GlobalNetworkPolicy
-metadata: {name: allow-web}
-spec:
-  order: 100
-  selector: app == 'web'
-  types: [Ingress]
-  ingress:
-  - {action: Allow, protocol: TCP, source: {selector: app == 'client'}, destination: {ports: [9090, 7070]}}
-"#;
-
-fn driver(dir: &Path) -> Result<std::path::PathBuf> {
-    let p = dir.join("dphandler-felix-driver");
-    std::os::unix::fs::symlink(bin("dphctl"), &p)?;
-    Ok(p)
-}
-
-/// Every rule of ours, in each table (iptables or nftables, as the
-/// daemons under test program).
-fn ours(host: &Netns) -> Result<String> {
-    let mut text = String::new();
-    for table in ["raw", "mangle", "nat", "filter"] {
-        text.push_str(&kernel::our_rules(host, false, table)?);
-        text.push('\n');
-    }
-    Ok(text)
-}
-
 /// The lines of `out` (a kernel listing) that name `what`.
 fn names_iface(out: &str, iface: &str) -> Vec<String> {
     out.lines()
@@ -319,14 +183,14 @@ fn one_node(c: &Calico) -> Result<()> {
     let _etcd = calico::etcd(c, &host, dir.path())?;
     let socket = dir.path().join("dp.sock");
     let d = Daemon::start(&host, &socket, &["--hostname", "node1", "--ipv6", "false"])?;
-    calico::apply(c, &host, dir.path(), RESOURCES)?;
-    calico::apply(c, &host, dir.path(), MORE)?;
+    calico::apply(c, &host, dir.path(), &calico::one_node())?;
+    calico::apply(c, &host, dir.path(), &more())?;
     let mut felix = calico::felix(
         c,
         &host,
         dir.path(),
         "node1",
-        &driver(dir.path())?,
+        &calico::driver(dir.path())?,
         &socket,
         &[("FELIX_IPV6SUPPORT", "false")],
     )?;
@@ -372,7 +236,7 @@ fn one_node(c: &Calico) -> Result<()> {
         wrong.is_empty(),
         "verdicts:\n{}\nrules:\n{}\nsets:\n{}",
         wrong.join("\n"),
-        ours(&host).unwrap_or_default(),
+        kernel::all_our_rules(&host).unwrap_or_default(),
         host.run("ipset", &["save"])
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default()
@@ -380,7 +244,7 @@ fn one_node(c: &Calico) -> Result<()> {
 
     // A policy changed with calicoctl apply: enforced, and how fast.
     let applied = Instant::now();
-    calico::apply(c, &host, dir.path(), ALLOW_9090)?;
+    calico::apply(c, &host, dir.path(), &calico::allow_web_yaml("9090, 7070"))?;
     calico::until(30, "the changed policy", || quick(9090)).map_err(|e| fail(&felix, e))?;
     eprintln!(
         "Calico {}: calicoctl apply → enforced: {:?}",
@@ -419,7 +283,7 @@ fn one_node(c: &Calico) -> Result<()> {
         let routes = host
             .run("ip", &["route", "show", "table", "all"])
             .map(|o| o.stdout);
-        match (ours(&host), routes) {
+        match (kernel::all_our_rules(&host), routes) {
             (Ok(r), Ok(t)) => {
                 names_iface(&r, "cali2").is_empty()
                     && names_iface(&String::from_utf8_lossy(&t), "10.65.0.3").is_empty()
@@ -428,7 +292,7 @@ fn one_node(c: &Calico) -> Result<()> {
         }
     })
     .map_err(|e| {
-        let r = ours(&host).unwrap_or_default();
+        let r = kernel::all_our_rules(&host).unwrap_or_default();
         fail(
             &felix,
             e.context(format!(
@@ -438,7 +302,7 @@ fn one_node(c: &Calico) -> Result<()> {
         )
     })?;
     // The client's own rules are still there.
-    let rules = ours(&host)?;
+    let rules = kernel::all_our_rules(&host)?;
     assert!(!names_iface(&rules, "cali1").is_empty(), "{rules}");
 
     // Not one of Felix's messages was rejected.
@@ -462,214 +326,11 @@ fn a_real_felix_drives_the_daemon_on_one_node() -> Result<()> {
     calico::each_version(one_node)
 }
 
-/// A TCP flow that sends a byte every 10 ms and reads its echo: how many
-/// exchanges failed, and how many were made.
-struct Flow {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<(u64, u64)>>,
-}
-
-impl Flow {
-    fn start(from: &Netns, to: std::net::SocketAddr) -> Result<Self> {
-        use std::io::{Read, Write};
-        use std::sync::atomic::Ordering;
-        let mut s = lab::connect(from, to).context("the flow's connection")?;
-        s.set_read_timeout(Some(Duration::from_secs(2)))?;
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let (mut failed, mut made) = (0u64, 0u64);
-            let mut b = [0u8; 1];
-            while !flag.load(Ordering::Relaxed) {
-                made += 1;
-                if s.write_all(b"x").is_err() || s.read_exact(&mut b).is_err() {
-                    failed += 1;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            (failed, made)
-        });
-        Ok(Self {
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    fn finish(mut self) -> (u64, u64) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.take().unwrap().join().unwrap()
-    }
-}
-
-/// Samples our filter rules every 20 ms: how many samples held fewer than
-/// `baseline` (the count with the policies in place), or lacked a
-/// workload's interface.
-struct Watch {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<(u64, u64, String)>>,
-}
-
-impl Watch {
-    fn start(host: &Netns, baseline: usize) -> Self {
-        use std::sync::atomic::Ordering;
-        let host = Netns(host.0.clone());
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let (mut missing, mut samples, mut first_bad) = (0u64, 0u64, String::new());
-            while !flag.load(Ordering::Relaxed) {
-                let read = kernel::our_rules(&host, false, "filter")
-                    .and_then(|r| Ok((kernel::our_rule_count(&host, false, "filter")?, r)));
-                if let Ok((count, r)) = read {
-                    samples += 1;
-                    let whole = count >= baseline && r.contains("cali1") && r.contains("cali2");
-                    if !whole {
-                        missing += 1;
-                        if first_bad.is_empty() {
-                            first_bad = format!("{count} rules of {baseline}:\n{r}");
-                        }
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            // The Netns is the test's: not removed here.
-            std::mem::forget(host);
-            (missing, samples, first_bad)
-        });
-        Self {
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn finish(mut self) -> (u64, u64, String) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.take().unwrap().join().unwrap()
-    }
-}
-
-fn restarts(c: &Calico) -> Result<()> {
-    let dir = tempdir()?;
-    let host = Netns::new("calr")?;
-    host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run("ip", &["addr", "add", "172.31.50.1/24", "dev", "lo"])?;
-    let client = lab::workload_v4(&host, "cali1", 1, "10.65.0.2")?;
-    let web = lab::workload_v4(&host, "cali2", 2, "10.65.0.3")?;
-    let _echo = lab::echo(&web.0, 8080);
-    let _servers = lab::serve(&web.0, &[7070, 9090], &[]);
-    let _etcd = calico::etcd(c, &host, dir.path())?;
-    let socket = dir.path().join("dp.sock");
-    let daemon_args = ["--hostname", "node1", "--ipv6", "false"];
-    let mut d = Some(Daemon::start(&host, &socket, &daemon_args)?);
-    calico::apply(c, &host, dir.path(), RESOURCES)?;
-    let drv = driver(dir.path())?;
-    let start_felix = || {
-        calico::felix(
-            c,
-            &host,
-            dir.path(),
-            "node1",
-            &drv,
-            &socket,
-            &[("FELIX_IPV6SUPPORT", "false")],
-        )
-    };
-    let in_sync = |f: &Proc, what: &str| {
-        calico::until(60, what, || f.logged("DataplaneInSync"))
-            .map_err(|e| e.context(format!("Calico {}\n{}", c.label, f.tail(30))))
-    };
-    let mut felix = start_felix()?;
-    in_sync(&felix, "the first DataplaneInSync")?;
-    let verdicts = || {
-        let v = |port| lab::probe(&client, "10.65.0.3", Probe::Tcp(port));
-        (v(8080), v(7070), v(9090))
-    };
-    assert_eq!(verdicts(), (true, false, false), "the policies before");
-
-    let flow = Flow::start(&client, "10.65.0.3:8080".parse()?)?;
-    let baseline = kernel::our_rule_count(&host, false, "filter")?;
-    assert!(baseline > 20, "{baseline} rules");
-    let watch = Watch::start(&host, baseline);
-
-    // Felix killed (a crash): its driver sees fd 3 close and ends; the
-    // daemon keeps the kernel as it is. Felix restarted (calico-node's
-    // supervisor does it): a new driver, a new snapshot, swapped in at its
-    // InSync.
-    let killed = Instant::now();
-    felix.kill();
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        verdicts(),
-        (true, false, false),
-        "the policies without Felix"
-    );
-    felix = start_felix()?;
-    in_sync(&felix, "DataplaneInSync from the restarted Felix")?;
-    eprintln!(
-        "Calico {}: Felix killed → restarted Felix in sync: {:?}",
-        c.label,
-        killed.elapsed()
-    );
-    assert_eq!(verdicts(), (true, false, false), "the policies after");
-
-    // The daemon restarted under a running Felix: the driver loses it and
-    // exits non-zero, Felix exits with it (it cannot catch a new daemon up
-    // from a driver that lost the old one), and the supervisor starts
-    // Felix again; the restarted daemon finds its kernel state and takes
-    // the new snapshot. Nothing is flushed on the way.
-    let stopped = Instant::now();
-    d.take().unwrap().stop()?;
-    let st = felix
-        .wait_exit(30)
-        .with_context(|| format!("Felix did not exit with its driver\n{}", felix.tail(30)))?;
-    assert!(
-        !st.success(),
-        "Felix exits with an error when its driver dies: {st}"
-    );
-    assert_eq!(
-        verdicts(),
-        (true, false, false),
-        "the policies with neither"
-    );
-    d = Some(Daemon::start(&host, &socket, &daemon_args)?);
-    felix = start_felix()?;
-    in_sync(&felix, "DataplaneInSync after the daemon's restart")?;
-    eprintln!(
-        "Calico {}: daemon stopped → restarted daemon and Felix in sync: {:?}",
-        c.label,
-        stopped.elapsed()
-    );
-    assert_eq!(verdicts(), (true, false, false), "the policies after both");
-
-    let (missing, samples, first_bad) = watch.finish();
-    let (failed, made) = flow.finish();
-    eprintln!(
-        "Calico {}: the established flow: {failed} of {made} exchanges failed; \
-         rules read {samples} times, {missing} incomplete",
-        c.label
-    );
-    assert_eq!(failed, 0, "an established flow was cut");
-    assert!(samples > 20, "the rules were read {samples} times");
-    assert_eq!(
-        missing, 0,
-        "a rule was missing at some instant:\n{first_bad}"
-    );
-    assert_eq!(calico::rejections(&host)?, 0.0, "{}", felix.tail(40));
-    drop(d);
-    Ok(())
-}
-
-#[test]
-fn felix_and_the_daemon_restarted_under_traffic() -> Result<()> {
-    calico::each_version(restarts)
-}
-
 /// A host endpoint under a real Felix: the node's interface toward an
 /// outside network (`hep0`, 192.168.77.1; the outside namespace .2), a
 /// HostEndpoint for it with a label, and a GlobalNetworkPolicy selecting
 /// it that allows TCP 8081 in: 8082 is dropped, Felix's failsafe port 22
-/// stays open, and nothing else of the node changes (the workload's
-/// traffic to the host goes on as before).
+/// stays open.
 fn host_endpoint(c: &Calico) -> Result<()> {
     let dir = tempdir()?;
     let host = Netns::new("calh")?;
@@ -724,7 +385,7 @@ spec:
         &host,
         dir.path(),
         "node1",
-        &driver(dir.path())?,
+        &calico::driver(dir.path())?,
         &socket,
         &[("FELIX_IPV6SUPPORT", "false")],
     )?;

@@ -21,7 +21,7 @@ use dphandler_tests::cluster::{
     BLOCKS, PODS, UNDERLAY, VTEP_IPS, VTEP_MACS, WgGoReaper, assert_all, cluster, stdout,
 };
 use dphandler_tests::lab::{Capture, Probe, probe};
-use dphandler_tests::{Daemon, Netns, bin, tempdir};
+use dphandler_tests::{Daemon, Netns, tempdir};
 
 /// The control namespace's address on the management network (etcd).
 const CONTROL: &str = "172.31.78.254";
@@ -116,8 +116,7 @@ fn two_nodes(c: &Calico) -> Result<()> {
         assert!(blocks.contains(b), "block {b} allocated: {blocks}");
     }
 
-    let driver = dir.path().join("dphandler-felix-driver");
-    std::os::unix::fs::symlink(bin("dphctl"), &driver)?;
+    let driver = calico::driver(dir.path())?;
     let etcd_url = format!("http://{CONTROL}:2379");
     let mut daemons = Vec::new();
     let mut states = Vec::new();
