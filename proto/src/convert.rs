@@ -224,47 +224,37 @@ fn convert_payload(p: Payload) -> Valid<Update> {
             "workload_endpoint_remove.id",
         )?)),
         Payload::ConfigUpdate(u) => Update::Config(labels(&u.config, "config_update.config")?),
-        Payload::HostMetadataUpdate(u) => at(
-            hosts::host(
-                &u.hostname,
-                &u.ipv4_addr,
-                &u.ipv6_addr,
-                &u.asnumber,
-                &u.labels,
-            )
-            .map(Update::HostMetadata),
+        Payload::HostMetadataUpdate(u) => hosts::update(
+            &u.hostname,
+            &u.ipv4_addr,
+            &u.ipv6_addr,
+            &u.asnumber,
+            &u.labels,
             "host_metadata_update",
         )?,
-        Payload::HostMetadataRemove(u) => Update::Remove(Key::HostMetadata(id(
-            &u.hostname,
-            "host_metadata_remove.hostname",
-        )?)),
+        Payload::HostMetadataRemove(u) => hosts::remove(&u.hostname, "host_metadata_remove")?,
         // A released Felix's pieces of a host, each on its own (a stream's
         // `Converter` puts them together).
-        Payload::HostMetadataV6Update(u) => at(
-            hosts::host(&u.hostname, "", &u.ipv6_addr, "", &Default::default())
-                .map(Update::HostMetadata),
+        Payload::HostMetadataV6Update(u) => hosts::update(
+            &u.hostname,
+            "",
+            &u.ipv6_addr,
+            "",
+            &Default::default(),
             "host_metadata_v6_update",
         )?,
-        Payload::HostMetadataV4v6Update(u) => at(
-            hosts::host(
-                &u.hostname,
-                &u.ipv4_addr,
-                &u.ipv6_addr,
-                &u.asnumber,
-                &u.labels,
-            )
-            .map(Update::HostMetadata),
+        Payload::HostMetadataV4v6Update(u) => hosts::update(
+            &u.hostname,
+            &u.ipv4_addr,
+            &u.ipv6_addr,
+            &u.asnumber,
+            &u.labels,
             "host_metadata_v4v6_update",
         )?,
-        Payload::HostMetadataV6Remove(u) => Update::Remove(Key::HostMetadata(id(
-            &u.hostname,
-            "host_metadata_v6_remove.hostname",
-        )?)),
-        Payload::HostMetadataV4v6Remove(u) => Update::Remove(Key::HostMetadata(id(
-            &u.hostname,
-            "host_metadata_v4v6_remove.hostname",
-        )?)),
+        Payload::HostMetadataV6Remove(u) => hosts::remove(&u.hostname, "host_metadata_v6_remove")?,
+        Payload::HostMetadataV4v6Remove(u) => {
+            hosts::remove(&u.hostname, "host_metadata_v4v6_remove")?
+        }
         Payload::IpamPoolUpdate(u) => at(
             (|| {
                 let pool = required(&u.pool, "pool")?;

@@ -11,8 +11,32 @@ use dphandler_dataplane::model::{Id, Key, Update, Valid, ValidationError};
 use super::{at, host_addr, id, labels, v4, v6};
 use crate::felix::to_dataplane::Payload;
 
+/// The update of one host (or of one released piece of it) from its
+/// fields, an empty string for an absent one; errors within `field`.
+pub(super) fn update(
+    hostname: &str,
+    ipv4_addr: &str,
+    ipv6_addr: &str,
+    asnumber: &str,
+    host_labels: &HashMap<String, String>,
+    field: &str,
+) -> Valid<Update> {
+    at(
+        host(hostname, ipv4_addr, ipv6_addr, asnumber, host_labels).map(Update::HostMetadata),
+        field,
+    )
+}
+
+/// The removal of a host (or of one released piece of it).
+pub(super) fn remove(hostname: &str, field: &str) -> Valid<Update> {
+    Ok(Update::Remove(Key::HostMetadata(at(
+        id(hostname, "hostname"),
+        field,
+    )?)))
+}
+
 /// One host from its fields (an empty string is an absent field).
-pub(super) fn host(
+fn host(
     hostname: &str,
     ipv4_addr: &str,
     ipv6_addr: &str,
