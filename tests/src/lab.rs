@@ -574,3 +574,27 @@ impl Drop for Bpffs {
         let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
     }
 }
+
+/// A link from `host` to `out` (an "outside" namespace): veth `host_if`
+/// with `host_addr` (prefix included) in `host`, `eth0` with `out_addr`
+/// in `out`, both up, and `out`'s loopback up.
+pub fn uplink(
+    host: &Netns,
+    out: &Netns,
+    host_if: &str,
+    host_addr: &str,
+    out_addr: &str,
+) -> Result<()> {
+    host.run(
+        "ip",
+        &[
+            "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", &out.0,
+        ],
+    )?;
+    host.run("ip", &["addr", "add", host_addr, "dev", host_if])?;
+    host.run("ip", &["link", "set", host_if, "up"])?;
+    out.run("ip", &["addr", "add", out_addr, "dev", "eth0"])?;
+    out.run("ip", &["link", "set", "eth0", "up"])?;
+    out.run("ip", &["link", "set", "lo", "up"])?;
+    Ok(())
+}

@@ -336,17 +336,13 @@ fn host_endpoint(c: &Calico) -> Result<()> {
     let host = Netns::new("calh")?;
     let outside = Netns::new("calo")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    outside.run("ip", &["link", "set", "lo", "up"])?;
-    host.run(
-        "ip",
-        &[
-            "link", "add", "hep0", "type", "veth", "peer", "name", "eth0", "netns", &outside.0,
-        ],
+    lab::uplink(
+        &host,
+        &outside,
+        "hep0",
+        "192.168.77.1/24",
+        "192.168.77.2/24",
     )?;
-    host.run("ip", &["addr", "add", "192.168.77.1/24", "dev", "hep0"])?;
-    host.run("ip", &["link", "set", "hep0", "up"])?;
-    outside.run("ip", &["addr", "add", "192.168.77.2/24", "dev", "eth0"])?;
-    outside.run("ip", &["link", "set", "eth0", "up"])?;
     let _servers = lab::serve(&host.0, &[22, 8081, 8082], &[]);
 
     let _etcd = calico::etcd(c, &host, dir.path())?;

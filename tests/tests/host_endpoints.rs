@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use dphandler_tests::kernel;
-use dphandler_tests::lab::{serve, tcp_ok, yaml_msgs};
+use dphandler_tests::lab::{self, serve, tcp_ok, yaml_msgs};
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
 fn tcp(ns: &Netns, to: &str) -> bool {
@@ -24,17 +24,7 @@ async fn host_endpoint_policy_and_failsafe_ports() -> Result<()> {
     let host = Netns::new("hephost")?;
     let out = Netns::new("hepout")?;
     host.run("ip", &["link", "set", "lo", "up"])?;
-    host.run(
-        "ip",
-        &[
-            "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", &out.0,
-        ],
-    )?;
-    host.run("ip", &["addr", "add", "10.99.0.1/24", "dev", "up0"])?;
-    host.run("ip", &["link", "set", "up0", "up"])?;
-    out.run("ip", &["addr", "add", "10.99.0.2/24", "dev", "eth0"])?;
-    out.run("ip", &["link", "set", "eth0", "up"])?;
-    out.run("ip", &["link", "set", "lo", "up"])?;
+    lab::uplink(&host, &out, "up0", "10.99.0.1/24", "10.99.0.2/24")?;
     let _host_servers = serve(&host.0, &[22, 80, 8080], &[]);
     let _out_servers = serve(&out.0, &[9000], &[]);
 

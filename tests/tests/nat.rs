@@ -35,17 +35,7 @@ async fn masquerade_follows_the_pool() -> Result<()> {
         },
     )?;
     // The uplink to "outside", which has no route back to the pool.
-    host.run(
-        "ip",
-        &[
-            "link", "add", "up0", "type", "veth", "peer", "name", "eth0", "netns", &out.0,
-        ],
-    )?;
-    host.run("ip", &["addr", "add", "10.99.0.1/24", "dev", "up0"])?;
-    host.run("ip", &["link", "set", "up0", "up"])?;
-    out.run("ip", &["addr", "add", "10.99.0.2/24", "dev", "eth0"])?;
-    out.run("ip", &["link", "set", "eth0", "up"])?;
-    out.run("ip", &["link", "set", "lo", "up"])?;
+    lab::uplink(&host, &out, "up0", "10.99.0.1/24", "10.99.0.2/24")?;
 
     // A listener outside that records who connected.
     let seen: Arc<Mutex<Vec<SocketAddr>>> = Arc::default();
