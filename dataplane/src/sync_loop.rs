@@ -315,6 +315,12 @@ pub struct Channels {
     /// least every [`LoopConfig::liveness_tick`] unless something blocks
     /// it.
     pub alive: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    /// Set from the signal handler itself when the daemon is told to stop,
+    /// before the `shutdown` future can be polled: from then on the loop
+    /// applies nothing (a device lost beside the daemon, its
+    /// `wireguard-go` killed by the same drain, is not made again to
+    /// outlive it).
+    pub stopping: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Milliseconds since the Unix epoch: the clock of [`Channels::alive`].
@@ -878,6 +884,14 @@ impl SyncLoop {
 
     async fn maybe_apply(&mut self, ch: &Channels) {
         if !(self.status.datastore_in_sync && self.status.interfaces_in_sync && self.dirty) {
+            return;
+        }
+        if ch
+            .stopping
+            .as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
+        {
+            debug!("stopping: nothing more is applied");
             return;
         }
         if self.retry_at.is_some() {

@@ -32,7 +32,8 @@ pub struct Connector {
 }
 
 /// Start the interface monitor and the sync loop; returns the connector and
-/// the loop's task (which ends after `shutdown`).
+/// the loop's task (which ends after `shutdown`; it applies nothing more
+/// once `stopping` is set).
 pub fn start(
     cfg: LoopConfig,
     managers: Vec<Box<dyn Manager>>,
@@ -40,6 +41,7 @@ pub fn start(
     metrics: std::sync::Arc<dphandler_dataplane::metrics::Metrics>,
     config: dphandler_dataplane::sync_loop::ConfigSettings,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    stopping: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> (Connector, JoinHandle<()>) {
     let (feed_tx, feed_rx) = mpsc::channel(FEED_CAPACITY);
     let (if_tx, if_rx) = mpsc::channel(100);
@@ -58,6 +60,7 @@ pub fn start(
         events: ev_tx.clone(),
         status: st_tx,
         alive: Some(alive.clone()),
+        stopping: Some(stopping),
     };
     let task = tokio::spawn(
         SyncLoop::new(cfg, managers, kernel)

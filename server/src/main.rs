@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
@@ -520,16 +521,28 @@ fn exit_on_panic() {
 /// SIGTERM and SIGINT, caught from the moment this is called: made before
 /// anything is bound, so that a signal that comes while the daemon starts
 /// (a pod deleted at once) still stops it the orderly way.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+///
+/// Besides the future, a flag the signal handler sets itself: the sync loop
+/// reads it before each apply, so nothing is applied after the signal even
+/// when the loop turns before the future is polled (the device lost with a
+/// `wireguard-go` killed in the same drain was made again, and outlived the
+/// daemon: CI). signal-hook's flag beside tokio's stream: both register
+/// through signal-hook-registry, which calls every action of a signal.
+fn shutdown_signal() -> anyhow::Result<(impl std::future::Future<Output = ()>, Arc<AtomicBool>)> {
     use tokio::signal::unix::{SignalKind, signal};
+    let stopping = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, stopping.clone()).context("catching SIGTERM/SIGINT")?;
+    }
     let mut term = signal(SignalKind::terminate()).context("catching SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("catching SIGINT")?;
-    Ok(async move {
+    let stopped = async move {
         tokio::select! {
             _ = term.recv() => info!("SIGTERM: stopping; kernel state is left as it is"),
             _ = int.recv() => info!("SIGINT: stopping; kernel state is left as it is"),
         }
-    })
+    };
+    Ok((stopped, stopping))
 }
 
 /// Where the restart keys of the last ConfigUpdate are kept.
@@ -585,7 +598,7 @@ async fn serve(
     args: ServeArgs,
     log_hook: dphandler_dataplane::sync_loop::LogLevelHook,
 ) -> anyhow::Result<()> {
-    let signalled_by = shutdown_signal()?;
+    let (signalled_by, stopping) = shutdown_signal()?;
     let secs = |v: f64, flag: &str| {
         dphandler_dataplane::model::config::interval(v)
             .map_err(|why| anyhow::anyhow!("{flag}: {why}"))
@@ -996,6 +1009,7 @@ async fn serve(
         metrics.clone(),
         config,
         loop_stop,
+        stopping,
     );
     if let Some(l) = metrics_listener {
         tokio::spawn(dphandler_server::health::serve_metrics(

@@ -1,7 +1,10 @@
 //! A stopping daemon changes nothing more: killed beside its
 //! `wireguard-go` (a node being drained, a pod deleted), it does not start
-//! a new one during its grace period, which would outlive it. Needs root
-//! and `wireguard-go`.
+//! a new one during its grace period, which would outlive it. Nor does the
+//! apply under way when the `wireguard-go` dies: its configuration used to
+//! find no socket, and `wireguard-control` then started a `wireguard-go`
+//! of its own, daemonised (CI, about 1 run in 20). Needs root and
+//! `wireguard-go`.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -17,6 +17,8 @@ struct Harness {
     seen: Arc<Mutex<Seen>>,
     programmed: watch::Receiver<u64>,
     rejections: mpsc::Receiver<Rejection>,
+    /// What the signal handler sets (`Channels::stopping`).
+    stopping: Arc<std::sync::atomic::AtomicBool>,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -46,6 +48,7 @@ async fn start(cfg: LoopConfig) -> Harness {
     let (ev_tx, ev_rx) = broadcast::channel(100);
     let (st_tx, st_rx) = watch::channel(Status::default());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ch = Channels {
         feed: feed_rx,
         interfaces: if_rx,
@@ -53,6 +56,7 @@ async fn start(cfg: LoopConfig) -> Harness {
         events: ev_tx,
         status: st_tx,
         alive: None,
+        stopping: Some(stopping.clone()),
     };
     tokio::spawn(lp.run(ch, async move {
         let _ = stop_rx.await;
@@ -76,6 +80,7 @@ async fn start(cfg: LoopConfig) -> Harness {
         seen,
         programmed: prog_rx,
         rejections: rej_rx,
+        stopping,
         _stop: stop_tx,
     }
 }
@@ -133,6 +138,36 @@ async fn nothing_applied_before_both_in_syncs() {
     let r = h.backend.lock();
     assert_eq!(r.calls, 1);
     assert!(r.applied[0][0].contains("IpSetUpdate"));
+}
+
+/// Once the daemon is told to stop (the flag its signal handler sets,
+/// before the loop's `shutdown` future is polled), a change that comes
+/// after is not applied: a device lost in the same drain is not made again.
+#[tokio::test]
+async fn nothing_is_applied_once_stopping() {
+    let mut h = start(fast_config()).await;
+    h.ifaces.send(InterfaceEvent::InSync).await.unwrap();
+    send(&h, 1, 1, Update::InSync).await;
+    wait_for(&mut h, |s| s.in_sync).await;
+    let before = h.backend.lock().calls;
+    h.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+    send(&h, 1, 2, set("a")).await;
+    // The interface monitor's news (the lost device) is not applied either.
+    h.ifaces
+        .send(InterfaceEvent::LinkRemoved {
+            index: 7,
+            name: "wg0".into(),
+        })
+        .await
+        .unwrap();
+    settle().await;
+    assert_eq!(h.backend.lock().calls, before, "applied while stopping");
+    assert_eq!(h.status.borrow().last_programmed, 1);
+    // The control: the same change is applied when the flag is down.
+    h.stopping.store(false, std::sync::atomic::Ordering::SeqCst);
+    send(&h, 1, 3, set("b")).await;
+    wait_for(&mut h, |s| s.last_programmed == 3).await;
+    assert!(h.backend.lock().calls > before);
 }
 
 #[tokio::test]

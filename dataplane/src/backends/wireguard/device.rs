@@ -13,8 +13,11 @@
 //! next apply.
 //!
 //! `wireguard-control` would start a `wireguard-go` itself (daemonised,
-//! unsupervised) when a configuration finds no socket; we start and watch
-//! ours before configuring, so that happens only if one dies in between.
+//! unsupervised, outliving a stopping daemon) when a configuration finds no
+//! socket: ours died between its start and its configuration (killed beside
+//! the daemon in a drain: CI). So every userspace configuration first looks
+//! for the socket and fails, retryably, when it is gone
+//! ([`update`]); the next apply starts ours again.
 
 use std::collections::HashMap;
 use std::fs;
@@ -60,6 +63,35 @@ fn iface(name: &str) -> Result<InterfaceName, BackendError> {
         backend: "wireguard",
         reason: format!("{name:?} is not an interface name: {e}"),
     })
+}
+
+/// Whether a `wireguard-go` answers on `name`'s UAPI socket.
+fn socket_answers(name: &str) -> bool {
+    SOCKET_DIRS
+        .iter()
+        .any(|d| UnixStream::connect(format!("{d}/{name}.sock")).is_ok())
+}
+
+/// Writes `u` to device `name`. A userspace device whose `wireguard-go` is
+/// gone is an error (retryable: the next apply finds the device gone and
+/// starts ours again), not handed to `wireguard-control`, which would start
+/// a daemonised `wireguard-go` of its own (its userspace `apply` does when
+/// it cannot open the socket). What is left is the time between this look
+/// and the crate's own, microseconds against the ~5 ms between our start
+/// and our configuration.
+fn update(name: &str, carrier: Carrier, u: DeviceUpdate, what: &str) -> Result<(), BackendError> {
+    let context = format!("{what} WireGuard device {name}");
+    if carrier == Carrier::Userspace && !socket_answers(name) {
+        return Err(io(
+            context,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "its wireguard-go is gone (no UAPI socket answers); it is started again",
+            ),
+        ));
+    }
+    u.apply(&iface(name)?, carrier_backend(carrier))
+        .map_err(|e| io(context, e))
 }
 
 fn carrier_backend(c: Carrier) -> WgBackend {
@@ -255,9 +287,7 @@ impl WgSeam for WgNetlink {
     }
 
     fn userspace_running(&mut self, name: &str) -> bool {
-        let running = SOCKET_DIRS
-            .iter()
-            .any(|d| UnixStream::connect(format!("{d}/{name}.sock")).is_ok());
+        let running = socket_answers(name);
         if running && !self.children.contains_key(name) {
             let pid = self
                 .file(name, "pid")
@@ -350,8 +380,7 @@ impl WgSeam for WgNetlink {
             }
             u = u.add_peer(p);
         }
-        u.apply(&iface(name)?, carrier_backend(carrier))
-            .map_err(|e| io(format!("configuring WireGuard device {name}"), e))
+        update(name, carrier, u, "configuring")
     }
 
     fn link_op(&mut self, op: &VxlanOp) -> Result<(), BackendError> {
@@ -368,7 +397,6 @@ impl WgSeam for WgNetlink {
         carrier: Carrier,
         peers: &[PublicKey],
     ) -> Result<(), BackendError> {
-        let iface = iface(name)?;
         for interval in [1, 0] {
             let mut u = DeviceUpdate::new();
             for k in peers {
@@ -376,8 +404,7 @@ impl WgSeam for WgNetlink {
                     PeerConfigBuilder::new(&Key(k.0)).set_persistent_keepalive_interval(interval),
                 );
             }
-            u.apply(&iface, carrier_backend(carrier))
-                .map_err(|e| io(format!("starting handshakes on {name}"), e))?;
+            update(name, carrier, u, "starting handshakes on")?;
         }
         Ok(())
     }
