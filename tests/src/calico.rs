@@ -294,6 +294,13 @@ pub fn ipam_assign(c: &Calico, ns: &Netns, ip: &str, host: &str, use_: &str) -> 
     Ok(())
 }
 
+/// `calicoctl delete` of the resources `yaml` names.
+pub fn delete(c: &Calico, ns: &Netns, dir: &Path, yaml: &str) -> Result<()> {
+    let f = dir.join("delete.yaml");
+    std::fs::write(&f, yaml)?;
+    calicoctl(c, ns, &["delete", "-f", &f.to_string_lossy()]).map(drop)
+}
+
 /// `calicoctl apply` of YAML resources (one or more documents).
 pub fn apply(c: &Calico, ns: &Netns, dir: &Path, yaml: &str) -> Result<()> {
     let f = dir.join("apply.yaml");
@@ -313,6 +320,35 @@ pub fn felix(
     socket: &Path,
     extra_env: &[(&str, &str)],
 ) -> Result<Proc> {
+    let mut cmd = felix_command(c, ns, dir, hostname);
+    cmd.env("FELIX_USEINTERNALDATAPLANEDRIVER", "false")
+        .env("FELIX_DATAPLANEDRIVER", driver)
+        .env("DPH_SOCKET", socket)
+        .envs(extra_env.iter().copied());
+    Proc::spawn("calico-felix", cmd, felix_log(dir, hostname))
+}
+
+/// Felix with its own dataplane (what a Calico node runs today), in `ns`:
+/// the oracle of the differential test. Its start would call a libbpf stub
+/// that panics in a build without cgo (`bpfnat.RemoveConnectTimeLoadBalancer`);
+/// `FELIX_DebugSkipCTLBCleanup` skips it. Pin `FELIX_NFTABLESMODE` in
+/// `extra_env`.
+pub fn felix_internal(
+    c: &Calico,
+    ns: &Netns,
+    dir: &Path,
+    hostname: &str,
+    extra_env: &[(&str, &str)],
+) -> Result<Proc> {
+    let mut cmd = felix_command(c, ns, dir, hostname);
+    cmd.env("FELIX_USEINTERNALDATAPLANEDRIVER", "true")
+        .env("FELIX_DebugSkipCTLBCleanup", "true")
+        .envs(extra_env.iter().copied());
+    Proc::spawn("calico-felix", cmd, felix_log(dir, hostname))
+}
+
+/// What every Felix of the tests has: the datastore, its name, its logs.
+fn felix_command(c: &Calico, ns: &Netns, dir: &Path, hostname: &str) -> Command {
     let mut cmd = ns.command(c.bin.join("calico-felix"));
     cmd.env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -323,8 +359,6 @@ pub fn felix(
         .env("DATASTORE_TYPE", "etcdv3")
         .env("ETCD_ENDPOINTS", "http://127.0.0.1:2379")
         .env("FELIX_FELIXHOSTNAME", hostname)
-        .env("FELIX_USEINTERNALDATAPLANEDRIVER", "false")
-        .env("FELIX_DATAPLANEDRIVER", driver)
         .env("FELIX_USAGEREPORTINGENABLED", "false")
         .env("FELIX_LOGFILEPATH", "none")
         .env("FELIX_LOGSEVERITYSYS", "none")
@@ -336,15 +370,16 @@ pub fn felix(
         .env("FELIX_HEALTHENABLED", "true")
         // Its endpoint-status files in the test's directory, not the
         // host's /var/run/calico.
-        .env("FELIX_ENDPOINTSTATUSPATHPREFIX", dir)
-        .env("DPH_SOCKET", socket)
-        .envs(extra_env.iter().copied());
-    // A restarted Felix logs to a file of its own.
-    let log = (0..)
+        .env("FELIX_ENDPOINTSTATUSPATHPREFIX", dir);
+    cmd
+}
+
+/// A restarted Felix logs to a file of its own.
+fn felix_log(dir: &Path, hostname: &str) -> PathBuf {
+    (0..)
         .map(|n| dir.join(format!("felix-{hostname}-{n}.log")))
         .find(|l| !l.exists())
-        .expect("a free name");
-    Proc::spawn("calico-felix", cmd, log)
+        .expect("a free name")
 }
 
 /// A Kubernetes namespace and one of its service accounts as Calico's
@@ -440,9 +475,11 @@ spec:
 "#;
 
 /// `dphandler-felix-driver` in `dir`: the symlink to dphctl that
-/// `FELIX_DATAPLANEDRIVER` names.
+/// `FELIX_DATAPLANEDRIVER` names (made once).
 pub fn driver(dir: &Path) -> Result<PathBuf> {
     let p = dir.join("dphandler-felix-driver");
-    std::os::unix::fs::symlink(crate::bin("dphctl"), &p)?;
+    if !p.exists() {
+        std::os::unix::fs::symlink(crate::bin("dphctl"), &p)?;
+    }
     Ok(p)
 }

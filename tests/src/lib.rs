@@ -17,6 +17,7 @@ use std::time::Duration;
 
 pub mod calico;
 pub mod cluster;
+pub mod differential;
 pub mod kernel;
 pub mod lab;
 pub mod tls;
