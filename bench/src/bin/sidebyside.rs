@@ -12,7 +12,7 @@
 //! programmed, no traffic goes to them) in `--namespaces` namespaces,
 //! `--policies` GlobalNetworkPolicies (each selects the endpoints of one
 //! app and allows TCP from another app's), and two real workloads under
-//! a policy (`probe.allow`) that the timed changes rewrite. Measured:
+//! a policy (`probe-allow`) that the timed changes rewrite. Measured:
 //!
 //! 1. cold start: Felix started with the datastore full → the first
 //!    allowed packet between the real workloads (the first apply of every
@@ -104,23 +104,34 @@ impl Mode {
     }
 }
 
+/// The MAC `lab::workload` gives workload `n`'s eth0.
+fn real_mac(n: u8) -> String {
+    format!("02:00:00:00:00:{n:02x}")
+}
+
+fn synthetic_mac(i: usize) -> String {
+    format!("02:00:00:01:{:02x}:{:02x}", i / 256, i % 256)
+}
+
 fn endpoint_ip(i: usize) -> String {
     format!("10.66.{}.{}", i / 250, 1 + i % 250)
 }
 
-fn wep(ns: &str, name: &str, iface: &str, mac: u8, ip: &str, app: &str) -> String {
+/// A WorkloadEndpoint; `mac` is its workload's (Felix writes a permanent
+/// neighbour entry with it: a wrong one loses the workload's traffic).
+fn wep(ns: &str, name: &str, iface: &str, mac: &str, ip: &str, app: &str) -> String {
     format!(
         "---\napiVersion: projectcalico.org/v3\nkind: WorkloadEndpoint\n\
          metadata: {{name: node1-k8s-{name}-eth0, namespace: {ns}, labels: {{app: {app}, \
          projectcalico.org/namespace: {ns}}}}}\n\
          spec: {{node: node1, orchestrator: k8s, pod: {name}, endpoint: eth0, interfaceName: {iface}, \
-         mac: '02:00:00:00:01:{mac:02x}', ipNetworks: ['{ip}/32'], profiles: [{ns}]}}\n"
+         mac: '{mac}', ipNetworks: ['{ip}/32'], profiles: [{ns}]}}\n"
     )
 }
 
 fn probe_policy(port: u16) -> String {
     format!(
-        "---\napiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: probe.allow}}\n\
+        "---\napiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\nmetadata: {{name: probe-allow}}\n\
          spec:\n  order: 1\n  selector: app == 'server'\n  types: [Ingress]\n  ingress:\n\
          \x20 - {{action: Allow, protocol: TCP, source: {{selector: app == 'client'}}, \
          destination: {{ports: [{port}, {RR_PORT}]}}}}\n"
@@ -147,7 +158,7 @@ fn datastore(a: &Args) -> String {
             &format!("n{}", i % a.namespaces),
             &format!("e{i}"),
             &format!("calie{i}"),
-            (i % 250) as u8,
+            &synthetic_mac(i),
             &endpoint_ip(i),
             &format!("a{}", i % a.apps),
         );
@@ -164,8 +175,22 @@ fn datastore(a: &Args) -> String {
             1000 + p % 100
         );
     }
-    y += &wep("n0", "client", CLIENT.0, CLIENT.1, CLIENT.2, "client");
-    y += &wep("n0", "server", SERVER.0, SERVER.1, SERVER.2, "server");
+    y += &wep(
+        "n0",
+        "client",
+        CLIENT.0,
+        &real_mac(CLIENT.1),
+        CLIENT.2,
+        "client",
+    );
+    y += &wep(
+        "n0",
+        "server",
+        SERVER.0,
+        &real_mac(SERVER.1),
+        SERVER.2,
+        "server",
+    );
     y + &probe_policy(FLIP[0])
 }
 
@@ -326,6 +351,9 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
         ("FELIX_IPV6SUPPORT", "false"),
         ("FELIX_XDPENABLED", "false"),
         ("FELIX_NFTABLESMODE", nft),
+        // The same iptables as the daemon's (the system's `iptables`, its
+        // nf_tables backend); auto picks legacy in a fresh namespace.
+        ("FELIX_IPTABLESBACKEND", "nft"),
         ("FELIX_PROMETHEUSMETRICSENABLED", "true"),
         ("FELIX_PROMETHEUSMETRICSPORT", "9091"),
     ];
@@ -386,7 +414,7 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
                 "n0",
                 &format!("added{k}"),
                 &format!("calia{k}"),
-                10 + k as u8,
+                &real_mac(10 + k as u8),
                 &format!("10.65.1.{}", 1 + k),
                 "client",
             ),
@@ -410,7 +438,7 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
                 &format!("n{}", e % a.namespaces),
                 &format!("e{e}"),
                 &format!("calie{e}"),
-                (e % 250) as u8,
+                &synthetic_mac(e),
                 &endpoint_ip(e),
                 &format!("a{}", (e + 1 + i / n) % a.apps),
             );

@@ -395,7 +395,16 @@ impl Renderer<'_> {
             (None, Some(n)) => push(&mut m, &["!", "-p", &proto_token(n, v)]),
         }
         for (nets, flag) in [(&rule.not_src_net, "-s"), (&rule.not_dst_net, "-d")] {
-            for n in of_version(nets, v) {
+            let mine = of_version(nets, v);
+            // As Felix renders it (felix/rules/policy.go,
+            // FilterRuleToIPVersion): negated nets all of the other family
+            // drop the rule from this family, as positive ones do; so does
+            // a negated catch-all (a contradiction). Found by the
+            // differential run against Felix's own dataplane (seed 51).
+            if (!nets.is_empty() && mine.is_empty()) || mine.iter().any(|n| n.prefix_len() == 0) {
+                return Ok(Vec::new());
+            }
+            for n in mine {
                 push(&mut m, &["!", flag, &n.to_string()]);
             }
         }

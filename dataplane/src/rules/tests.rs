@@ -84,6 +84,38 @@ fn several_cidrs_become_a_match_block() {
     assert!(r6().rule(&v4only).unwrap().is_empty());
 }
 
+/// Felix drops a rule from a family whose negated nets are all of the
+/// other family, as it does for positive ones, and a rule with a negated
+/// catch-all (felix/rules/policy.go, FilterRuleToIPVersion). Rendered as
+/// "not in no net" the rule denied IPv4 UDP that Felix's own dataplane
+/// allowed (the differential run, seed 51).
+#[test]
+fn negated_nets_of_the_other_family_drop_the_rule_as_felix_does() {
+    let v6_only = Rule {
+        action: Some(Action::Deny),
+        protocol: Some(Protocol::UDP),
+        not_src_net: vec![net("fd00:65::12/127")],
+        ..Rule::default()
+    };
+    assert!(r4().rule(&v6_only).unwrap().is_empty());
+    assert_eq!(
+        text(&r6().rule(&v6_only).unwrap()),
+        ["-p udp ! -s fd00:65::12/127 -j DROP"]
+    );
+    let catch_all = Rule {
+        not_dst_net: vec![net("0.0.0.0/0"), net("fd00::/8")],
+        ..Rule::default()
+    };
+    assert!(r4().rule(&catch_all).unwrap().is_empty());
+    assert_eq!(
+        text(&r6().rule(&catch_all).unwrap()),
+        [
+            "! -d fd00::/8 -j MARK --set-xmark 0x10000/0x10000",
+            "-m mark --mark 0x10000/0x10000 -j RETURN"
+        ]
+    );
+}
+
 #[test]
 fn more_than_fifteen_port_slots_and_named_ports() {
     let many: Vec<(u16, u16)> = (0..10)
