@@ -14,6 +14,11 @@
 //! families, protocols, ICMP and ICMPv6 types and codes, `ipVersion`. The marker policy (tier `marker`, first) opens
 //! one port to the marker workload, a different one in each scenario: once
 //! it is enforced, everything written before it is too.
+//!
+//! The node also has an uplink to an outside network (`hep0`), a host
+//! endpoint on it (its `zone` label chosen by the scenario) and zero to two
+//! policies for it: normal (applied to forwarded traffic or not), pre-DNAT
+//! or untracked.
 
 /// The workloads the scenarios police: (name, namespace, host interface,
 /// MAC suffix, IPv4 address, IPv6 address).
@@ -43,43 +48,86 @@ pub const MARKER_PORTS: [u16; 2] = [20001, 20002];
 pub const TCP_PORTS: [u16; 3] = [8080, 9090, 7000];
 pub const UDP_PORTS: [u16; 2] = [5353, 6000];
 
-/// One probe between two workloads (indices into [`WORKLOADS`]), or from
-/// the node itself (`None`), over IPv4 or IPv6.
+/// The node's interface toward the outside network: a host endpoint.
+pub const UPLINK: &str = "hep0";
+/// The node's address on it, and the outside namespace's.
+pub const NODE_UPLINK: &str = "192.168.77.1";
+pub const OUTSIDE: &str = "192.168.77.2";
+/// What the node serves (on every address), and the outside namespace.
+pub const NODE_TCP: [u16; 3] = [8081, 8082, 22];
+pub const NODE_UDP: [u16; 1] = [5353];
+pub const OUTSIDE_TCP: [u16; 1] = [9000];
+
+/// Where a probe starts or ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// A workload (an index into [`WORKLOADS`]).
+    Workload(usize),
+    /// The node itself.
+    Node,
+    /// A machine on the node's outside network (through [`UPLINK`]).
+    Outside,
+}
+
+impl std::fmt::Display for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Workload(i) => f.write_str(WORKLOADS[*i].0),
+            Self::Node => f.write_str("node"),
+            Self::Outside => f.write_str("outside"),
+        }
+    }
+}
+
+/// One probe, over IPv4 or IPv6.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProbeCase {
-    pub from: Option<usize>,
-    pub to: usize,
+    pub from: Place,
+    pub to: Place,
     pub v6: bool,
     pub probe: crate::lab::Probe,
 }
 
 impl ProbeCase {
-    /// The address probed.
+    /// The address probed (the node is probed from outside, on its
+    /// uplink).
     pub fn target(&self) -> &'static str {
-        let w = WORKLOADS[self.to];
-        if self.v6 { w.5 } else { w.4 }
+        match self.to {
+            Place::Workload(i) if self.v6 => WORKLOADS[i].5,
+            Place::Workload(i) => WORKLOADS[i].4,
+            Place::Node => NODE_UPLINK,
+            Place::Outside => OUTSIDE,
+        }
     }
 }
 
 impl std::fmt::Display for ProbeCase {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let from = self.from.map_or("node", |i| WORKLOADS[i].0);
         let family = if self.v6 { "IPv6" } else { "IPv4" };
-        write!(
-            f,
-            "{from} → {} {family} {:?}",
-            WORKLOADS[self.to].0, self.probe
-        )
+        write!(f, "{} → {} {family} {:?}", self.from, self.to, self.probe)
     }
 }
 
-/// Every probe a scenario is held to: each ordered pair of workloads with
-/// TCP 8080, 9090 and 7000, UDP 5353 and 6000 and a ping over IPv4, and
-/// TCP 8080, UDP 5353 and a ping over IPv6; and the node to each workload
-/// (TCP 8080, both families).
+/// Every probe a scenario is held to:
+/// - each ordered pair of workloads: TCP 8080, 9090 and 7000, UDP 5353
+///   and 6000 and a ping over IPv4; TCP 8080, UDP 5353 and a ping over
+///   IPv6;
+/// - the node to each workload (TCP 8080, both families);
+/// - through the host endpoint: the outside to the node (TCP 8081, 8082
+///   and 22, Felix's failsafe; UDP 5353; a ping), the outside to two
+///   workloads (TCP 8080, forwarded), and the node to the outside (TCP
+///   9000).
 pub fn probes() -> Vec<ProbeCase> {
     use crate::lab::Probe;
     let mut out = Vec::new();
+    let mut add = |from, to, v6, probe| {
+        out.push(ProbeCase {
+            from,
+            to,
+            v6,
+            probe,
+        })
+    };
     let v4: Vec<Probe> = TCP_PORTS
         .iter()
         .map(|p| Probe::Tcp(*p))
@@ -94,26 +142,33 @@ pub fn probes() -> Vec<ProbeCase> {
             }
             for (is_v6, probes) in [(false, &v4[..]), (true, &v6[..])] {
                 for probe in probes {
-                    out.push(ProbeCase {
-                        from: Some(from),
-                        to,
-                        v6: is_v6,
-                        probe: *probe,
-                    });
+                    add(Place::Workload(from), Place::Workload(to), is_v6, *probe);
                 }
             }
         }
     }
     for to in 0..WORKLOADS.len() {
         for v6 in [false, true] {
-            out.push(ProbeCase {
-                from: None,
-                to,
-                v6,
-                probe: Probe::Tcp(8080),
-            });
+            add(Place::Node, Place::Workload(to), v6, Probe::Tcp(8080));
         }
     }
+    for probe in NODE_TCP
+        .iter()
+        .map(|p| Probe::Tcp(*p))
+        .chain(NODE_UDP.iter().map(|p| Probe::Udp(*p)))
+        .chain([Probe::Icmp])
+    {
+        add(Place::Outside, Place::Node, false, probe);
+    }
+    for to in [0, 2] {
+        add(Place::Outside, Place::Workload(to), false, Probe::Tcp(8080));
+    }
+    add(
+        Place::Node,
+        Place::Outside,
+        false,
+        Probe::Tcp(OUTSIDE_TCP[0]),
+    );
     out
 }
 
@@ -301,6 +356,99 @@ fn rules(r: &mut Rng) -> String {
     format!("[{}]", v.join(", "))
 }
 
+/// The node's host endpoint on [`UPLINK`], in zone `zone`.
+pub fn host_endpoint(zone: &str) -> String {
+    format!(
+        "---\napiVersion: projectcalico.org/v3\nkind: HostEndpoint\n\
+         metadata: {{name: node1-{UPLINK}, labels: {{role: edge, zone: {zone}}}}}\n\
+         spec: {{node: node1, interfaceName: {UPLINK}, expectedIPs: ['{NODE_UPLINK}']}}\n"
+    )
+}
+
+/// A policy for the host endpoint: normal (applied to forwarded traffic
+/// or not), pre-DNAT (ingress) or untracked.
+fn host_policy(r: &mut Rng, i: usize) -> String {
+    // Only the host endpoint has a zone or the role edge: these select
+    // no workload.
+    let selector = *r.pick(&["has(zone)", "zone == 'a'", "zone == 'b'", "role == 'edge'"]);
+    let kind = r.below(3);
+    let (flags, types): (&str, &[&str]) = match kind {
+        0 => (
+            if r.chance(50) {
+                "  applyOnForward: true\n"
+            } else {
+                ""
+            },
+            *r.pick(&[&["Ingress"][..], &["Egress"], &["Ingress", "Egress"]]),
+        ),
+        1 => ("  preDNAT: true\n  applyOnForward: true\n", &["Ingress"]),
+        _ => (
+            "  doNotTrack: true\n  applyOnForward: true\n",
+            *r.pick(&[&["Ingress"][..], &["Egress"], &["Ingress", "Egress"]]),
+        ),
+    };
+    let mut spec = format!(
+        "  order: {}\n  selector: \"{selector}\"\n{flags}  types: [{}]\n",
+        5 * (1 + r.below(4)),
+        types.join(", ")
+    );
+    for t in types {
+        let n = 1 + r.below(2);
+        let rules: Vec<String> = (0..n).map(|_| host_rule(r, kind)).collect();
+        spec += &format!("  {}: [{}]\n", t.to_lowercase(), rules.join(", "));
+    }
+    format!(
+        "---\napiVersion: projectcalico.org/v3\nkind: GlobalNetworkPolicy\n\
+         metadata: {{name: hep{i}}}\nspec:\n{spec}"
+    )
+}
+
+fn host_rule(r: &mut Rng, kind: usize) -> String {
+    // Pre-DNAT policy takes Allow and Deny only.
+    let action = if kind == 1 {
+        *r.pick(&["Allow", "Allow", "Deny"])
+    } else {
+        *r.pick(&["Allow", "Allow", "Deny", "Log"])
+    };
+    let mut parts = vec![format!("action: {action}")];
+    let proto = *r.pick(&[Some("TCP"), Some("TCP"), Some("UDP"), Some("ICMP"), None]);
+    if let Some(p) = proto {
+        parts.push(format!("protocol: {p}"));
+    }
+    match r.below(4) {
+        0 => parts.push(format!("source: {{nets: ['{OUTSIDE}/32']}}")),
+        1 => parts.push("source: {notNets: ['192.168.77.0/30']}".into()),
+        _ => {}
+    }
+    let mut dest = Vec::new();
+    if r.chance(30) {
+        dest.push(
+            r.pick(&[
+                "nets: ['10.65.0.8/29']",
+                "nets: ['192.168.77.1/32']",
+                "notNets: ['10.65.0.12/30']",
+            ])
+            .to_string(),
+        );
+    }
+    if matches!(proto, Some("TCP" | "UDP")) && r.chance(70) {
+        dest.push(
+            r.pick(&[
+                "ports: [8081]",
+                "ports: [8082, 9000]",
+                "ports: [8080]",
+                "ports: [5353]",
+                "ports: ['8000:8081']",
+            ])
+            .to_string(),
+        );
+    }
+    if !dest.is_empty() {
+        parts.push(format!("destination: {{{}}}", dest.join(", ")));
+    }
+    format!("{{{}}}", parts.join(", "))
+}
+
 /// A namespace's profile: its labels (`env`) and rules (Calico's
 /// Kubernetes mode writes allow-all; scenarios vary them).
 fn namespace(r: &mut Rng, ns: &str) -> String {
@@ -423,7 +571,16 @@ pub fn scenario(seed: u64, k: usize) -> Scenario {
         "---\napiVersion: projectcalico.org/v3\nkind: Tier\nmetadata: {{name: sec}}\n\
          spec: {{order: 50, defaultAction: {default_action}}}\n"
     );
+    // The host endpoint's part draws from a stream of its own: a seed
+    // keeps the workloads' scenario it had before host endpoints came in
+    // (the regression seeds).
+    let mut h = Rng::new(seed ^ 0x4845_5000_0000_0000);
+    let zone = *h.pick(&["a", "b"]);
+    apply += &host_endpoint(zone);
     let mut policies = String::new();
+    for i in 0..h.below(3) {
+        policies += &host_policy(&mut h, i);
+    }
     for i in 0..1 + r.below(4) {
         let tier = if r.chance(40) { "sec" } else { "default" };
         let name = if tier == "default" {
@@ -499,6 +656,10 @@ mod tests {
             "protocol: ICMPv6",
             "icmp: {type: 128}",
             "ipVersion: 6",
+            "preDNAT: true",
+            "doNotTrack: true",
+            "applyOnForward: true",
+            "kind: HostEndpoint",
             "fd00:65::8/125",
             "notICMP",
             "notProtocol",
@@ -519,9 +680,9 @@ mod tests {
     #[test]
     fn every_pair_is_probed_in_every_way() {
         let p = probes();
-        // 4 × 3 pairs × (6 IPv4 + 3 IPv6) probes, and the node to each
-        // workload over both.
-        assert_eq!(p.len(), 12 * 9 + 8);
-        assert!(p.iter().all(|c| c.from != Some(c.to)));
+        // 4 × 3 pairs × (6 IPv4 + 3 IPv6) probes, the node to each
+        // workload over both, and 8 through the host endpoint.
+        assert_eq!(p.len(), 12 * 9 + 8 + 8);
+        assert!(p.iter().all(|c| c.from != c.to));
     }
 }

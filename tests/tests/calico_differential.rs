@@ -8,8 +8,9 @@
 //! - (d) Felix → dphandler, our nftables dataplane,
 //!
 //! each on a node of its own (a fresh namespace, its workloads and etcd),
-//! and probed alike (TCP, UDP and ping between every pair of workloads, and
-//! from the node). Felix's iptables verdicts are the expected ones: a probe
+//! and probed alike (TCP, UDP and ping between every pair of workloads,
+//! from the node, and through the node's host endpoint from an outside
+//! network). Felix's iptables verdicts are the expected ones: a probe
 //! where (c) or (d) differs is our bug until shown otherwise; one where (b)
 //! differs is Felix disagreeing with itself, reported apart.
 //!
@@ -23,7 +24,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use dphandler_tests::calico::{self, Calico, Proc};
 use dphandler_tests::differential::{
-    self, MARKER, MARKER_PORTS, NODE_V4, NODE_V6, ProbeCase, TCP_PORTS, UDP_PORTS, WORKLOADS,
+    self, MARKER, MARKER_PORTS, NODE_TCP, NODE_UDP, NODE_UPLINK, NODE_V4, NODE_V6, OUTSIDE,
+    OUTSIDE_TCP, Place, ProbeCase, TCP_PORTS, UDP_PORTS, UPLINK, WORKLOADS,
 };
 use dphandler_tests::lab;
 use dphandler_tests::{Daemon, Netns, tempdir};
@@ -116,6 +118,7 @@ struct Run {
 /// The node: its namespace, the workloads' namespaces and their servers.
 struct Node {
     host: Netns,
+    outside: Netns,
     workloads: Vec<Netns>,
     marker: [Netns; 2],
     _servers: Vec<lab::Servers>,
@@ -132,7 +135,20 @@ fn node() -> Result<Node> {
         "ip",
         &["-6", "addr", "add", &format!("{NODE_V6}/128"), "dev", "lo"],
     )?;
-    let mut servers = Vec::new();
+    let outside = Netns::new("difo")?;
+    lab::uplink(
+        &host,
+        &outside,
+        UPLINK,
+        &format!("{NODE_UPLINK}/24"),
+        &format!("{OUTSIDE}/24"),
+    )?;
+    // The outside reaches the pods through the node, as a router would.
+    outside.run("ip", &["route", "add", "10.65.0.0/16", "via", NODE_UPLINK])?;
+    let mut servers = vec![
+        lab::serve(&host.0, &NODE_TCP, &NODE_UDP),
+        lab::serve(&outside.0, &OUTSIDE_TCP, &[]),
+    ];
     let mut workloads = Vec::new();
     for (_, _, iface, n, v4, v6) in WORKLOADS {
         let w = lab::workload(
@@ -167,6 +183,7 @@ fn node() -> Result<Node> {
     servers.push(lab::serve(&m_dst.0, &MARKER_PORTS, &[]));
     Ok(Node {
         host,
+        outside,
         workloads,
         marker: [m_src, m_dst],
         _servers: servers,
@@ -196,7 +213,11 @@ fn probe_all(n: &Node, cases: &[ProbeCase]) -> Vec<bool> {
         let handles: Vec<_> = cases
             .iter()
             .map(|c| {
-                let from = c.from.map_or(&n.host, |i| &n.workloads[i]);
+                let from = match c.from {
+                    Place::Workload(i) => &n.workloads[i],
+                    Place::Node => &n.host,
+                    Place::Outside => &n.outside,
+                };
                 s.spawn(move || lab::probe(from, c.target(), c.probe))
             })
             .collect();
