@@ -347,6 +347,101 @@ pub fn felix_internal(
     Proc::spawn("calico-felix", cmd, felix_log(dir, hostname))
 }
 
+/// Who programs the kernel under a real Felix: Felix's own dataplane or
+/// dphandler behind it, each with iptables or nftables (the differential
+/// test and the side-by-side benchmark run the four in turn).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// (a) Felix's internal dataplane, iptables mode.
+    FelixIptables,
+    /// (b) Felix's internal dataplane, nftables mode.
+    FelixNftables,
+    /// (c) Felix → dphandler, `--dataplane iptables`.
+    OursIptables,
+    /// (d) Felix → dphandler, `--dataplane nftables`.
+    OursNftables,
+}
+
+impl Mode {
+    /// Modes by their letters (`abcd`), in the order given.
+    pub fn parse_list(letters: &str) -> Result<Vec<Self>> {
+        letters
+            .chars()
+            .map(|c| {
+                Ok(match c {
+                    'a' => Self::FelixIptables,
+                    'b' => Self::FelixNftables,
+                    'c' => Self::OursIptables,
+                    'd' => Self::OursNftables,
+                    _ => bail!("{c:?} is not a mode (a–d)"),
+                })
+            })
+            .collect()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::FelixIptables => "(a) Felix, iptables",
+            Self::FelixNftables => "(b) Felix, nftables",
+            Self::OursIptables => "(c) Felix → dphandler, iptables",
+            Self::OursNftables => "(d) Felix → dphandler, nftables",
+        }
+    }
+
+    /// Whether dphandler programs the kernel (Felix with our driver).
+    pub fn ours(self) -> bool {
+        matches!(self, Self::OursIptables | Self::OursNftables)
+    }
+
+    /// The daemon's `--dataplane`, for our modes.
+    pub fn dataplane(self) -> Option<&'static str> {
+        match self {
+            Self::OursIptables => Some("iptables"),
+            Self::OursNftables => Some("nftables"),
+            _ => None,
+        }
+    }
+
+    /// Felix's settings for the mode: its nftables mode pinned (any mode
+    /// but Disabled changes the IP-set messages of the calc graph), and
+    /// Felix's own iptables on the same backend as the daemon's (the
+    /// system's `iptables`, nf_tables; auto picks legacy in a fresh
+    /// namespace).
+    pub fn felix_env(self) -> Vec<(&'static str, &'static str)> {
+        let nft = if self == Self::FelixNftables {
+            "Enabled"
+        } else {
+            "Disabled"
+        };
+        let mut env = vec![("FELIX_NFTABLESMODE", nft)];
+        if !self.ours() {
+            env.push(("FELIX_IPTABLESBACKEND", "nft"));
+        }
+        env
+    }
+}
+
+/// Felix for `mode` on node `hostname`: with our driver speaking to the
+/// daemon at `socket` for our modes, with its own dataplane otherwise;
+/// the mode's settings and then `extra_env`.
+pub fn felix_for(
+    c: &Calico,
+    mode: Mode,
+    ns: &Netns,
+    dir: &Path,
+    hostname: &str,
+    socket: &Path,
+    extra_env: &[(&str, &str)],
+) -> Result<Proc> {
+    let mut env = mode.felix_env();
+    env.extend_from_slice(extra_env);
+    if mode.ours() {
+        felix(c, ns, dir, hostname, &driver(dir)?, socket, &env)
+    } else {
+        felix_internal(c, ns, dir, hostname, &env)
+    }
+}
+
 /// What every Felix of the tests has: the datastore, its name, its logs.
 fn felix_command(c: &Calico, ns: &Netns, dir: &Path, hostname: &str) -> Command {
     let mut cmd = ns.command(c.bin.join("calico-felix"));

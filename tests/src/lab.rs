@@ -285,6 +285,22 @@ pub fn workload_v4(host: &Netns, iface: &str, n: u8, ip: &str) -> Result<Netns> 
     )
 }
 
+/// A dual-stack workload `n` on `iface` with addresses `v4` and `v6`, the
+/// host's routes to it added by hand (the daemon takes them over).
+pub fn workload_dual(host: &Netns, iface: &str, n: u8, v4: &str, v6: &str) -> Result<Netns> {
+    workload(
+        host,
+        WorkloadSpec {
+            iface,
+            n,
+            v4,
+            v6: Some(v6),
+            host_route: true,
+            host_neigh: false,
+        },
+    )
+}
+
 /// Forgets every learnt IPv6 neighbour in `ns` (permanent ones stay), so
 /// that the next packet has to resolve its next hop by NDP again.
 pub fn forget_ipv6_neighbours(ns: &Netns) -> Result<()> {

@@ -4,8 +4,9 @@
 //! connection that gets through is counted, with when). Runs in threads
 //! entered into the client's namespace; traffic goes only to the target
 //! the test names, an address inside its own namespaces. And a `ping`
-//! across a change ([`Pinger`]) for the multi-node tests, and an
-//! established TCP flow across restarts ([`EchoFlow`]).
+//! across a change ([`Pinger`]) for the multi-node tests, an
+//! established TCP flow across restarts ([`EchoFlow`]), and the
+//! benchmarks' packet path ([`request_response`]).
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
@@ -280,4 +281,30 @@ impl EchoFlow {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.take().unwrap().join().unwrap()
     }
+}
+
+/// Request/response transactions per second over one TCP connection from
+/// inside `from` to `to` (an echo, `lab::echo`): one byte each way, for
+/// `seconds` after 1,000 to warm up. The benchmarks' packet path.
+pub fn request_response(from: &Netns, to: SocketAddr, seconds: u64) -> Result<f64> {
+    use std::io::{Read, Write};
+    crate::lab::in_ns(&from.0.clone(), move || -> Result<f64> {
+        let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2))
+            .with_context(|| format!("connecting to {to}"))?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 1];
+        for _ in 0..1000 {
+            s.write_all(b"x")?;
+            s.read_exact(&mut b)?;
+        }
+        let (started, mut n) = (Instant::now(), 0u64);
+        while started.elapsed() < Duration::from_secs(seconds) {
+            for _ in 0..100 {
+                s.write_all(b"x")?;
+                s.read_exact(&mut b)?;
+            }
+            n += 100;
+        }
+        Ok(n as f64 / started.elapsed().as_secs_f64())
+    })
 }

@@ -10,7 +10,7 @@
 use anyhow::{Result, bail};
 use dphandler_tests::kernel;
 use dphandler_tests::lab::{
-    HOST_SIDE_LL, Probe, WorkloadSpec, forget_ipv6_neighbours, probe, serve, workload, yaml_msgs,
+    HOST_SIDE_LL, Probe, forget_ipv6_neighbours, probe, serve, workload_dual, yaml_msgs,
 };
 use dphandler_tests::{Daemon, Netns, privileged, push, tempdir};
 
@@ -148,17 +148,7 @@ fn lab(tag: &str) -> Result<Lab> {
     let mut wls = Vec::new();
     let mut servers = Vec::new();
     for (iface, n, v4, v6) in WL {
-        let wl = workload(
-            &host,
-            WorkloadSpec {
-                iface,
-                n,
-                v4,
-                v6: Some(v6),
-                host_route: true,
-                host_neigh: false,
-            },
-        )?;
+        let wl = workload_dual(&host, iface, n, v4, v6)?;
         servers.push(serve(&wl.0, &[80], &[53]));
         wls.push(wl);
     }

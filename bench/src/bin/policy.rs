@@ -356,33 +356,6 @@ fn rr_messages() -> Vec<Payload> {
     out
 }
 
-/// Request/response transactions per second over one TCP connection
-/// from the first real workload to the second.
-fn request_response(from: &Netns, seconds: u64) -> Result<f64> {
-    use std::io::{Read, Write};
-    let to: std::net::SocketAddr = format!("{}:{RR_PORT}", RR[1].1).parse()?;
-    let ns = from.0.clone();
-    dphandler_tests::lab::in_ns(&ns, move || -> Result<f64> {
-        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
-        s.set_nodelay(true)?;
-        let mut b = [0u8; 1];
-        // Warm up, then count.
-        for _ in 0..1000 {
-            s.write_all(b"x")?;
-            s.read_exact(&mut b)?;
-        }
-        let (started, mut n) = (Instant::now(), 0u64);
-        while started.elapsed() < Duration::from_secs(seconds) {
-            for _ in 0..100 {
-                s.write_all(b"x")?;
-                s.read_exact(&mut b)?;
-            }
-            n += 100;
-        }
-        Ok(n as f64 / started.elapsed().as_secs_f64())
-    })
-}
-
 /// `perf record` of every CPU while a phase runs: the share of the
 /// samples in the kernel's commit and in its validation walk.
 struct Perf {
@@ -818,7 +791,11 @@ async fn run_one(a: &Args, dataplane: &str) -> Result<Report> {
     r.raw_member = median(raw_member);
 
     // 5. The packet path, on a quiet server.
-    r.rr = request_response(&w1, a.rr_seconds)?;
+    r.rr = dphandler_tests::traffic::request_response(
+        &w1,
+        format!("{}:{RR_PORT}", RR[1].1).parse()?,
+        a.rr_seconds,
+    )?;
 
     // 3. Churn at a steady rate, once the last change's re-read is over.
     tokio::time::sleep(Duration::from_secs(a.settle_seconds)).await;

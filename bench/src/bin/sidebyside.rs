@@ -45,8 +45,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use dphandler_tests::calico::{self, Calico, Proc};
-use dphandler_tests::{Daemon, Netns, lab, usage};
+use dphandler_tests::calico::{self, Calico, Mode, Proc};
+use dphandler_tests::{Daemon, Netns, lab, traffic, usage};
 
 #[derive(Parser, Debug)]
 #[command(about = "Felix's own dataplane and dphandler behind Felix, same run")]
@@ -80,29 +80,6 @@ const SERVER: (&str, u8, &str) = ("cali2", 2, "10.65.0.3");
 /// The probe policy's port alternates between these.
 const FLIP: [u16; 2] = [8081, 8082];
 const RR_PORT: u16 = 7777;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    FelixIptables,
-    FelixNftables,
-    OursIptables,
-    OursNftables,
-}
-
-impl Mode {
-    fn name(self) -> &'static str {
-        match self {
-            Self::FelixIptables => "(a) Felix iptables",
-            Self::FelixNftables => "(b) Felix nftables",
-            Self::OursIptables => "(c) dphandler iptables",
-            Self::OursNftables => "(d) dphandler nftables",
-        }
-    }
-
-    fn ours(self) -> bool {
-        matches!(self, Self::OursIptables | Self::OursNftables)
-    }
-}
 
 /// The MAC `lab::workload` gives workload `n`'s eth0.
 fn real_mac(n: u8) -> String {
@@ -328,32 +305,17 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
         written.elapsed().as_secs_f64()
     );
     let socket = dir.path().join("dp.sock");
-    let daemon = if mode.ours() {
-        let dp = if mode == Mode::OursIptables {
-            "iptables"
-        } else {
-            "nftables"
-        };
-        Some(Daemon::start(
+    let daemon = match mode.dataplane() {
+        Some(dp) => Some(Daemon::start(
             &host,
             &socket,
             &["--hostname", "node1", "--ipv6", "false", "--dataplane", dp],
-        )?)
-    } else {
-        None
-    };
-    let nft = if mode == Mode::FelixNftables {
-        "Enabled"
-    } else {
-        "Disabled"
+        )?),
+        None => None,
     };
     let env = [
         ("FELIX_IPV6SUPPORT", "false"),
         ("FELIX_XDPENABLED", "false"),
-        ("FELIX_NFTABLESMODE", nft),
-        // The same iptables as the daemon's (the system's `iptables`, its
-        // nf_tables backend); auto picks legacy in a fresh namespace.
-        ("FELIX_IPTABLESBACKEND", "nft"),
         ("FELIX_PROMETHEUSMETRICSENABLED", "true"),
         ("FELIX_PROMETHEUSMETRICSPORT", "9091"),
     ];
@@ -364,19 +326,7 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
         rt.block_on(d.connect())?;
     }
     let t0 = Instant::now();
-    let felix = if mode.ours() {
-        calico::felix(
-            c,
-            &host,
-            dir.path(),
-            "node1",
-            &calico::driver(dir.path())?,
-            &socket,
-            &env,
-        )?
-    } else {
-        calico::felix_internal(c, &host, dir.path(), "node1", &env)?
-    };
+    let felix = calico::felix_for(c, mode, &host, dir.path(), "node1", &socket, &env)?;
     let ctx = |e: anyhow::Error| e.context(format!("{}\n{}", mode.name(), felix.tail(30)));
     until(600, "the cold start's first allowed packet", || {
         quick(&client, SERVER.2, FLIP[0])
@@ -489,35 +439,11 @@ fn run_mode(c: &Calico, a: &Args, mode: Mode) -> Result<Report> {
     r.churn_cores = (cpu1 - cpu0) / churn_wall;
     r.rss_mib = rss;
     std::thread::sleep(Duration::from_secs(1));
-    r.rr = request_response(&client, a.rr_seconds).map_err(ctx)?;
+    let to: SocketAddr = format!("{}:{RR_PORT}", SERVER.2).parse()?;
+    r.rr = traffic::request_response(&client, to, a.rr_seconds).map_err(ctx)?;
     drop(felix);
     drop(daemon);
     Ok(r)
-}
-
-/// Request/response transactions per second over one TCP connection
-/// from the client to the server's echo.
-fn request_response(from: &Netns, seconds: u64) -> Result<f64> {
-    use std::io::{Read, Write};
-    let to: SocketAddr = format!("{}:{RR_PORT}", SERVER.2).parse()?;
-    lab::in_ns(&from.0.clone(), move || -> Result<f64> {
-        let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
-        s.set_nodelay(true)?;
-        let mut b = [0u8; 1];
-        for _ in 0..1000 {
-            s.write_all(b"x")?;
-            s.read_exact(&mut b)?;
-        }
-        let (started, mut n) = (Instant::now(), 0u64);
-        while started.elapsed() < Duration::from_secs(seconds) {
-            for _ in 0..100 {
-                s.write_all(b"x")?;
-                s.read_exact(&mut b)?;
-            }
-            n += 100;
-        }
-        Ok(n as f64 / started.elapsed().as_secs_f64())
-    })
 }
 
 fn main() -> Result<()> {
@@ -528,17 +454,7 @@ fn main() -> Result<()> {
     if a.namespaces == 0 || a.apps == 0 || a.changes == 0 {
         bail!("--namespaces, --apps and --changes must be at least 1");
     }
-    let modes: Vec<Mode> = a
-        .modes
-        .chars()
-        .map(|ch| match ch {
-            'a' => Ok(Mode::FelixIptables),
-            'b' => Ok(Mode::FelixNftables),
-            'c' => Ok(Mode::OursIptables),
-            'd' => Ok(Mode::OursNftables),
-            _ => bail!("--modes: {ch:?} is not a–d"),
-        })
-        .collect::<Result<_>>()?;
+    let modes = Mode::parse_list(&a.modes).context("--modes")?;
     let Some(versions) = calico::versions()? else {
         bail!("no Go toolchain: Calico cannot be built (scripts/calico.sh)");
     };
