@@ -184,13 +184,23 @@ pub fn each_version(test: fn(&Calico) -> Result<()>) -> Result<()> {
 
 /// Waits until `cond` holds, up to `secs`, trying every 20 ms; the time
 /// it took.
-pub fn until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) -> Result<Duration> {
+pub fn until(secs: u64, what: &str, cond: impl FnMut() -> bool) -> Result<Duration> {
+    until_every(secs, Duration::from_millis(20), what, cond)
+}
+
+/// [`until`], trying every `every` (a benchmark's timing wants finer).
+pub fn until_every(
+    secs: u64,
+    every: Duration,
+    what: &str,
+    mut cond: impl FnMut() -> bool,
+) -> Result<Duration> {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(secs) {
         if cond() {
             return Ok(start.elapsed());
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(every);
     }
     bail!("{what}: not within {secs} s")
 }

@@ -192,15 +192,8 @@ fn quick(from: &Netns, to: &str, port: u16) -> bool {
 }
 
 /// Polls every 5 ms until `cond`, up to `secs`; the time it took.
-fn until(secs: u64, what: &str, mut cond: impl FnMut() -> bool) -> Result<Duration> {
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(secs) {
-        if cond() {
-            return Ok(t0.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    bail!("{what}: not within {secs} s")
+fn until(secs: u64, what: &str, cond: impl FnMut() -> bool) -> Result<Duration> {
+    calico::until_every(secs, Duration::from_millis(5), what, cond)
 }
 
 /// The processes a mode's CPU is counted over: Felix, its children (the
