@@ -180,17 +180,13 @@ fn probe_all(n: &Node, cases: &[ProbeCase]) -> Vec<bool> {
 /// did not.
 fn gave_up(felix: &Proc) -> Option<String> {
     let log = std::fs::read_to_string(&felix.log).ok()?;
-    let panic = log.lines().find(|l| l.contains("[PANIC]"))?;
-    // The kernel tool's own words come on the lines after.
-    let mut why: Vec<&str> = log
+    // The panic's line, and the kernel tool's own words on the lines after.
+    let why: Vec<&str> = log
         .lines()
         .skip_while(|l| !l.contains("[PANIC]"))
         .take(3)
         .collect();
-    if why.is_empty() {
-        why.push(panic);
-    }
-    Some(why.join(" | "))
+    (!why.is_empty()).then(|| why.join(" | "))
 }
 
 fn run_mode(c: &Calico, mode: Mode, seeds: &[u64], cases: &[ProbeCase]) -> Result<Run> {
