@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, parser::ValueSource};
 use dphandler_dataplane::backends::cleanup::Cleanup;
 use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
 use dphandler_dataplane::backends::iptables::restore::{
@@ -62,7 +62,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
     about = "Linux dataplane daemon driven over gRPC by a Calico-style calc graph"
 )]
 struct Cli {
-    /// Log filter (tracing EnvFilter syntax).
+    /// Log filter (tracing EnvFilter syntax). Given, it holds over a
+    /// ConfigUpdate's LogSeverityScreen; unset, that sets the level.
     #[arg(long, env = "DPH_LOG", default_value = "info", global = true)]
     log: String,
     /// Log as JSON lines.
@@ -211,6 +212,12 @@ struct ServeArgs {
     /// small table rather than all of filter. 0 or 1: all in filter.
     #[arg(long, env = "DPH_NFTABLES_SHARDS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=32))]
     nftables_shards: u32,
+    /// nftables: workload interfaces a shard holds before the next shard
+    /// table is opened (an empty shard has no hooks; each open one costs
+    /// every forwarded packet two hook calls). 0: all shards open from
+    /// the start.
+    #[arg(long, env = "DPH_NFTABLES_WORKLOADS_PER_SHARD", default_value_t = 256)]
+    nftables_workloads_per_shard: u32,
     /// iptables flavour: auto (detect which one the host uses), nft or legacy.
     #[arg(long, env = "DPH_IPTABLES_BACKEND", default_value = "auto")]
     iptables_backend: FlavorChoice,
@@ -442,7 +449,18 @@ impl ServeArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    // `--log` (or `DPH_LOG`) given by the operator wins over the calc
+    // graph's LogSeverityScreen, as Felix's environment wins over its
+    // datastore config.
+    let log_given = matches!(
+        matches.value_source("log"),
+        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+    );
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     use tracing_subscriber::{EnvFilter, layer::SubscriberExt, reload, util::SubscriberInitExt};
     let filter = EnvFilter::try_new(&cli.log).context("bad --log filter")?;
     // The filter can change at run time (a ConfigUpdate's LogSeverityScreen).
@@ -463,9 +481,11 @@ async fn main() -> anyhow::Result<()> {
     }
     exit_on_panic();
     let flag = cli.log.clone();
-    let log_hook: dphandler_dataplane::sync_loop::LogLevelHook = Box::new(move |level| {
-        let f = EnvFilter::try_new(level.unwrap_or(&flag)).map_err(|e| e.to_string())?;
-        reload.reload(f).map_err(|e| e.to_string())
+    let log_hook: Option<dphandler_dataplane::sync_loop::LogLevelHook> = (!log_given).then(|| {
+        Box::new(move |level: Option<&str>| {
+            let f = EnvFilter::try_new(level.unwrap_or(&flag)).map_err(|e| e.to_string())?;
+            reload.reload(f).map_err(|e| e.to_string())
+        }) as dphandler_dataplane::sync_loop::LogLevelHook
     });
     match cli.command {
         Command::Serve(args) => serve(*args, log_hook).await,
@@ -596,7 +616,7 @@ fn apply_kept_config(args: &mut ServeArgs, mask: u32) -> anyhow::Result<u32> {
 
 async fn serve(
     args: ServeArgs,
-    log_hook: dphandler_dataplane::sync_loop::LogLevelHook,
+    log_hook: Option<dphandler_dataplane::sync_loop::LogLevelHook>,
 ) -> anyhow::Result<()> {
     let (signalled_by, stopping) = shutdown_signal()?;
     let secs = |v: f64, flag: &str| {
@@ -731,6 +751,7 @@ async fn serve(
                     ShardLayout {
                         marks,
                         shards: args.nftables_shards as usize,
+                        per_shard: args.nftables_workloads_per_shard as usize,
                     },
                 )
                 .context("opening the nftables netlink socket")?,
@@ -1000,7 +1021,7 @@ async fn serve(
             ..Default::default()
         },
         keep: kept_config_path(&args),
-        log_level: Some(log_hook),
+        log_level: log_hook,
     };
     let (conn, loop_task) = connector::start(
         loop_cfg,

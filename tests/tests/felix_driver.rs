@@ -523,6 +523,32 @@ async fn what_makes_the_driver_exit() -> Result<()> {
     Ok(())
 }
 
+/// A daemon whose stderr goes to `log`, with `DPH_LOG` set to `level` or
+/// unset.
+fn logging_daemon(ns: &Netns, socket: &Path, log: &Path, level: Option<&str>) -> Result<Daemon> {
+    // `sh` execs it, so the pid is its own.
+    let mut cmd = ns.command("sh");
+    cmd.args([
+        "-c",
+        "exec \"$0\" serve --hostname n1 --socket \"$1\" --state-dir \"$1.state\" 2>\"$2\"",
+    ])
+    .arg(bin("dphandler"))
+    .arg(socket)
+    .arg(log);
+    match level {
+        Some(l) => cmd.env("DPH_LOG", l),
+        None => cmd.env_remove("DPH_LOG"),
+    };
+    Daemon::spawn(cmd, socket)
+}
+
+fn debug_lines(log: &Path) -> Result<usize> {
+    Ok(std::fs::read_to_string(log)?
+        .lines()
+        .filter(|l| l.contains("DEBUG"))
+        .count())
+}
+
 #[tokio::test]
 async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     if !privileged() {
@@ -532,24 +558,9 @@ async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     let ns = Netns::new("fxl")?;
     let socket = dir.path().join("dp.sock");
     let log = dir.path().join("daemon.log");
-    // The daemon's stderr to a file: `sh` execs it, so the pid is its own.
-    let mut cmd = ns.command("sh");
-    cmd.args([
-        "-c",
-        "exec \"$0\" serve --hostname n1 --socket \"$1\" --state-dir \"$1.state\" 2>\"$2\"",
-    ])
-    .arg(bin("dphandler"))
-    .arg(&socket)
-    .arg(&log)
-    .env("DPH_LOG", "warn");
-    let d = Daemon::spawn(cmd, &socket)?;
+    // No --log: the default (info), and the calc graph's level.
+    let d = logging_daemon(&ns, &socket, &log, None)?;
     let mut c = d.connect().await?;
-    let debug_lines = || -> Result<usize> {
-        Ok(std::fs::read_to_string(&log)?
-            .lines()
-            .filter(|l| l.contains("DEBUG"))
-            .count())
-    };
     let (rej, _) = dphandler_tests::push(
         &mut c,
         yaml_msgs(
@@ -559,7 +570,7 @@ async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     )
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
-    assert_eq!(debug_lines()?, 0, "--log warn");
+    assert_eq!(debug_lines(&log)?, 0, "the default, info");
     let (rej, _) = dphandler_tests::push(
         &mut c,
         yaml_msgs(10, "configUpdate: {config: {LogSeverityScreen: Debug}}\n---\nipsetUpdate: {id: 's:b', members: ['10.0.0.2']}\n"),
@@ -567,13 +578,13 @@ async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let n = debug_lines()?;
+    let n = debug_lines(&log)?;
     assert!(
         n > 0,
         "LogSeverityScreen Debug: {}",
         std::fs::read_to_string(&log)?
     );
-    // Without the key: --log again.
+    // Without the key: the default again.
     let (rej, _) = dphandler_tests::push(
         &mut c,
         yaml_msgs(
@@ -584,7 +595,7 @@ async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let after_off = debug_lines()?;
+    let after_off = debug_lines(&log)?;
     let (rej, _) = dphandler_tests::push(
         &mut c,
         yaml_msgs(30, "ipsetUpdate: {id: 's:d', members: ['10.0.0.4']}\n"),
@@ -592,7 +603,25 @@ async fn log_severity_screen_changes_the_log_level_and_back() -> Result<()> {
     .await?;
     assert!(rej.is_empty(), "{rej:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(debug_lines()?, after_off, "back to warn");
+    assert_eq!(debug_lines(&log)?, after_off, "back to info");
+    drop(c);
+    assert!(d.stop()?.success());
+
+    // An operator's --log (here DPH_LOG) holds, as Felix's environment
+    // beats its datastore: a ConfigUpdate's Debug changes nothing.
+    let log = dir.path().join("daemon-warn.log");
+    let d = logging_daemon(&ns, &socket, &log, Some("warn"))?;
+    let mut c = d.connect().await?;
+    let (rej, _) = dphandler_tests::push(
+        &mut c,
+        yaml_msgs(1, "configUpdate: {config: {LogSeverityScreen: Debug}}\n---\nipsetUpdate: {id: 's:a', members: ['10.0.0.1']}\n---\ninSync: {}\n---\nipsetUpdate: {id: 's:b', members: ['10.0.0.2']}\n"),
+    )
+    .await?;
+    assert!(rej.is_empty(), "{rej:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = std::fs::read_to_string(&log)?;
+    assert_eq!(debug_lines(&log)?, 0, "--log warn holds: {text}");
+    assert!(!text.contains(" INFO "), "--log warn holds: {text}");
     drop(c);
     assert!(d.stop()?.success());
     Ok(())

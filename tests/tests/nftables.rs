@@ -222,6 +222,16 @@ async fn nftables_enforces_adopts_repairs_and_replaces_iptables() -> Result<()> 
         !shard_listing.contains("hook input"),
         "egress is not walked from input too: {shard_listing}"
     );
+    // A shard without workloads has no base chains: the one holding
+    // these few alone hooks prerouting and forward, so a packet pays for
+    // one shard, not 32 (how many are opened is the placement's unit
+    // test, `shards_open_as_workloads_come`).
+    let hooked: Vec<&str> = shards
+        .iter()
+        .filter(|(_, l)| l.contains(" hook "))
+        .map(|(t, _)| t.as_str())
+        .collect();
+    assert_eq!(hooked, [shard.as_str()], "{shards:?}");
     assert!(
         !shard_listing.contains("chain dph-pi-default.web"),
         "cali2's policy is written into its list chain: {shard_listing}"

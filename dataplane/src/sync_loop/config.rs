@@ -26,6 +26,8 @@ pub struct ConfigSettings {
     /// The file the restart keys of the last ConfigUpdate are kept in
     /// (read at the next start); `None`: nowhere.
     pub keep: Option<PathBuf>,
+    /// Sets the log level a ConfigUpdate names (`None` in it: back to
+    /// the default); `None`: an operator's `--log` holds.
     pub log_level: Option<LogLevelHook>,
 }
 
@@ -128,13 +130,17 @@ impl ConfigState {
             self.refresh_changed = true;
         }
         if c.log_level != self.log_level {
-            if let Some(hook) = &self.settings.log_level {
-                match hook(c.log_level.as_deref()) {
+            match &self.settings.log_level {
+                Some(hook) => match hook(c.log_level.as_deref()) {
                     Ok(()) => {
                         info!(level = ?c.log_level, "log level from ConfigUpdate (unset: --log)")
                     }
                     Err(e) => warn!(error = %e, "could not change the log level"),
-                }
+                },
+                None => info!(
+                    level = ?c.log_level,
+                    "LogSeverityScreen from ConfigUpdate not applied: --log is given"
+                ),
             }
             self.log_level = c.log_level.clone();
         }

@@ -336,7 +336,7 @@ impl Dataplane {
                 .iter()
                 .map(|t| ChainTable::new(t, version, own.clone()))
                 .collect(),
-            filter: Filter::new(version, own.clone(), layout.marks, layout.shards),
+            filter: Filter::new(version, own.clone(), layout),
             sets: DesiredSets::new(version, names),
             own,
             kernel,
@@ -1677,6 +1677,7 @@ mod tests {
             ShardLayout {
                 marks: crate::rules::Marks::default(),
                 shards: 2,
+                per_shard: 0,
             },
             Box::new(fake),
         );

@@ -1162,6 +1162,7 @@ fn a_sharded_nftables_filter_gets_no_dispatch_tree() {
             ShardLayout {
                 marks: Marks::default(),
                 shards: 4,
+                per_shard: 0,
             },
             Box::new(NoNft),
         )],

@@ -144,6 +144,12 @@ struct Placement {
     placed: HashMap<String, usize>,
     /// Endpoint chains per shard.
     load: Vec<usize>,
+    /// Endpoint chains a shard holds before the next is opened (0: all
+    /// are open from the start).
+    fill: usize,
+    /// The shards open to new interfaces in the current settle
+    /// ([`Placement::open`]).
+    open: Vec<usize>,
     /// Per shard: the chains copied from filter, and how many chains
     /// there jump to each.
     refs: Vec<HashMap<String, usize>>,
@@ -171,12 +177,14 @@ struct Placement {
     dispatch: HashMap<String, Vec<Rule>>,
 }
 
-/// How workload policy is spread: over `shards` tables, with the pending
-/// bits of `marks`.
+/// How workload policy is spread: over at most `shards` tables, with the
+/// pending bits of `marks`, opening one more each time the open ones
+/// hold `per_shard` workload interfaces (0: all open from the start).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ShardLayout {
     pub marks: Marks,
     pub shards: usize,
+    pub per_shard: usize,
 }
 
 /// The filter table of one IP version: filter itself and its shards.
@@ -212,9 +220,14 @@ fn on_bit(bit: u32, tail: &str) -> Rule {
 }
 
 impl Filter {
-    /// `shards` tables (at most [`MAX_SHARDS`]) when `marks` has the
-    /// pending bits; else filter alone.
-    pub fn new(version: IpVersion, own: Ownership, marks: Marks, shards: usize) -> Self {
+    /// Up to `layout.shards` tables (at most [`MAX_SHARDS`]) when its
+    /// marks have the pending bits; else filter alone.
+    pub fn new(version: IpVersion, own: Ownership, layout: ShardLayout) -> Self {
+        let ShardLayout {
+            marks,
+            shards,
+            per_shard,
+        } = layout;
         let n = shards.min(MAX_SHARDS);
         let sharded = n >= 2 && marks.pending_from != 0 && marks.pending_to != 0;
         let mut f = Self {
@@ -241,6 +254,9 @@ impl Filter {
             pass: marks.pass,
             placed: HashMap::new(),
             load: vec![0; n],
+            // An interface has two endpoint chains (ingress and egress).
+            fill: per_shard.saturating_mul(2),
+            open: (0..n).collect(),
             refs: vec![HashMap::new(); n],
             members: vec![Default::default(); n],
             users: vec![HashMap::new(); n],
@@ -392,6 +408,18 @@ impl Filter {
             }
         }
         let mut touched: BTreeSet<usize> = BTreeSet::new();
+        // The shards open to what comes now: a snapshot of 10,000
+        // endpoints opens them all before the first is placed (so that
+        // endpoints of the same sets share a shard from the start).
+        let incoming = dirty
+            .iter()
+            .filter(|name| {
+                l.endpoints.contains_key(*name)
+                    && l.endpoint(name)
+                        .is_some_and(|(_, iface)| !l.placed.contains_key(iface))
+            })
+            .count();
+        l.open(incoming);
         // A chain a shard refuses stays dirty (tried again at the next
         // settle) and the others still go in; the first refusal is returned.
         for name in dirty {

@@ -130,12 +130,44 @@ impl Placement {
         }
     }
 
-    /// Most endpoint chains a shard takes a new interface at: a quarter
-    /// more than the average.
-    fn cap(&self) -> usize {
+    /// The shards open to new interfaces in this settle, for `incoming`
+    /// endpoint chains more than are placed: those in use, and as many
+    /// empty ones more (the first first) as it takes to hold the load at
+    /// [`Placement::fill`] chains a shard. Every shard with `fill` 0.
+    /// An empty shard has no hooks, so a packet pays two hook calls per
+    /// open shard (prerouting and forward): a node of a few hundred
+    /// workloads uses one or two shards, not all of them.
+    pub(super) fn open(&mut self, incoming: usize) {
         let n = self.load.len();
-        let total: usize = self.load.iter().sum();
-        total / n + total / (4 * n) + 8
+        let total: usize = self.load.iter().sum::<usize>() + incoming;
+        let wanted = match self.fill {
+            0 => n,
+            fill => total.div_ceil(fill).clamp(1, n),
+        };
+        let mut open: Vec<usize> = (0..n).filter(|&s| self.load[s] > 0).collect();
+        let mut empty = (0..n).filter(|&s| self.load[s] == 0);
+        while open.len() < wanted {
+            match empty.next() {
+                Some(s) => open.push(s),
+                None => break,
+            }
+        }
+        open.sort_unstable();
+        self.open = open;
+    }
+
+    /// Most endpoint chains an open shard takes a new interface at: a
+    /// quarter more than the average over the open shards, and no more
+    /// than the fill while there are shards left to open.
+    fn cap(&self) -> usize {
+        let n = self.open.len().max(1);
+        let total: usize = self.open.iter().map(|&s| self.load[s]).sum();
+        let even = total / n + total / (4 * n) + 8;
+        if self.fill > 0 && self.open.len() < self.load.len() {
+            even.min(self.fill)
+        } else {
+            even
+        }
     }
 
     /// The shard for a new interface whose endpoint chain would be policy
@@ -150,14 +182,15 @@ impl Placement {
             .filter(|&s| self.load[s] < cap)
     }
 
-    /// The shard for a new interface whose endpoint chain is `rules`: the
-    /// one the IP sets of the chains it jumps to point at, unless that
-    /// one is a quarter fuller than the average (then the emptiest).
-    /// Endpoints with the same policies look up the same sets, so they
-    /// share a shard, and a policy list chain there, unless the load
-    /// spreads them (a list has at most one chain per shard).
+    /// The shard for a new interface whose endpoint chain is `rules`: of
+    /// the open shards, the one the IP sets of the chains it jumps to
+    /// point at, unless that one is a quarter fuller than the average
+    /// (then the emptiest). Endpoints with the same policies look up the
+    /// same sets, so they share a shard, and a policy list chain there,
+    /// unless the load spreads them (a list has at most one chain per
+    /// shard).
     pub(super) fn choose(&self, main: &ChainTable, rules: &[Rule]) -> usize {
-        let n = self.load.len();
+        let open = &self.open;
         let cap = self.cap();
         let mut sets: BTreeSet<&str> = BTreeSet::new();
         for t in rules.iter().filter_map(Rule::target) {
@@ -177,9 +210,13 @@ impl Placement {
                 h.update(b"\n");
             }
             let d = h.finalize();
-            Some(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")) as usize % n)
+            let at = u64::from_le_bytes(d[..8].try_into().expect("8 bytes")) as usize % open.len();
+            Some(open[at])
         };
-        let emptiest = (0..n).min_by_key(|s| self.load[*s]).expect("shards");
+        let emptiest = *open
+            .iter()
+            .min_by_key(|s| self.load[**s])
+            .expect("one shard open at least");
         match preferred {
             Some(s) if self.load[s] < cap => s,
             _ => emptiest,

@@ -7,7 +7,20 @@ fn r(s: &str) -> Rule {
 }
 
 fn filter(n: usize) -> Filter {
-    Filter::new(IpVersion::V4, Ownership::new("dph"), Marks::default(), n)
+    layered(n, 0)
+}
+
+/// Up to `n` shards, one more opened each `per_shard` interfaces.
+fn layered(n: usize, per_shard: usize) -> Filter {
+    Filter::new(
+        IpVersion::V4,
+        Ownership::new("dph"),
+        ShardLayout {
+            marks: Marks::default(),
+            shards: n,
+            per_shard,
+        },
+    )
 }
 
 /// The policy list chain `iface`'s ingress dispatch goes to, as
@@ -278,6 +291,81 @@ fn placement_is_balanced_and_sticky() {
             || placed_elsewhere_uses(&f, "dph-pi-pol-7", before["cali7"]),
         "the copy nothing in the shard jumps to any more is gone"
     );
+}
+
+/// With a fill per shard, a node's first workloads share one shard and
+/// the next is opened only when the open ones are full: an empty shard
+/// has no hooks, so a packet pays for the shards in use, not for all of
+/// them. A snapshot opens as many as it needs at once; a shard whose
+/// workloads all went loses its hooks.
+#[test]
+fn shards_open_as_workloads_come() {
+    let hooked = |f: &Filter| -> Vec<usize> {
+        (0..f.shards.len())
+            .filter(|&s| {
+                !f.shards[s].hooks("PREROUTING").is_empty()
+                    || !f.shards[s].hooks("FORWARD").is_empty()
+            })
+            .collect()
+    };
+    let mut f = layered(8, 4);
+    let ifaces: Vec<String> = (0..10).map(|i| format!("cali{i}")).collect();
+    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    for k in 1..=10 {
+        workloads(&mut f, &names[..k], 3);
+        f.settle().unwrap();
+        let used: BTreeSet<usize> = f.placement().values().copied().collect();
+        let want = k.div_ceil(4);
+        assert_eq!(used.len(), want, "{k} workloads: {:?}", f.placement());
+        assert_eq!(hooked(&f).len(), want, "{k} workloads");
+    }
+    // The ones placed stay; removing the last shard's workloads leaves
+    // it without hooks.
+    let before = f.placement();
+    let last = before["cali9"];
+    let gone: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|i| before[*i] != last)
+        .collect();
+    for i in names.iter().filter(|i| before[**i] == last) {
+        f.remove_chain(&format!("dph-tw-{i}"));
+        f.remove_chain(&format!("dph-fw-{i}"));
+    }
+    workloads(&mut f, &gone, 3);
+    f.settle().unwrap();
+    assert!(!hooked(&f).contains(&last), "{:?}", hooked(&f));
+    for i in &gone {
+        assert_eq!(f.placement()[*i], before[*i]);
+    }
+
+    // A snapshot of 400 (at 25 a shard, 16 shards' worth) opens all 8
+    // at once: placed exactly as with all open from the start.
+    let ifaces: Vec<String> = (0..400).map(|i| format!("cali{i}")).collect();
+    let names: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    let [a, b] = [25, 0].map(|per_shard| {
+        let mut f = layered(8, per_shard);
+        workloads(&mut f, &names, 40);
+        f.settle().unwrap();
+        f
+    });
+    assert_eq!(a.placement(), b.placement());
+    assert_eq!(hooked(&a), hooked(&b));
+    assert!(
+        hooked(&a).len() > 4,
+        "{:?}",
+        a.layout.as_ref().unwrap().load
+    );
+    // 40 (80 endpoint chains) fill two shards of 25; without a fill,
+    // every shard is open from the first and they spread further.
+    let [a, b] = [25, 0].map(|per_shard| {
+        let mut f = layered(8, per_shard);
+        workloads(&mut f, &names[..40], 40);
+        f.settle().unwrap();
+        hooked(&f).len()
+    });
+    assert_eq!(a, 2);
+    assert!(b > 2, "{b}");
 }
 
 fn placed_elsewhere_uses(f: &Filter, chain: &str, s: usize) -> bool {
@@ -584,8 +672,11 @@ fn unsharded_without_shards_or_bits() {
         Filter::new(
             IpVersion::V4,
             Ownership::new("dph"),
-            Marks::from_mask(0x3f0000).unwrap(),
-            8,
+            ShardLayout {
+                marks: Marks::from_mask(0x3f0000).unwrap(),
+                shards: 8,
+                per_shard: 0,
+            },
         ),
     ] {
         let mut f = f;
@@ -606,7 +697,15 @@ fn unsharded_without_shards_or_bits() {
 /// marked "egress unchecked" for the shards.
 #[test]
 fn prerouting_marks_workload_packets_and_spares_what_input_takes_first() {
-    let mut f = Filter::new(IpVersion::V6, Ownership::new("dph"), Marks::default(), 4);
+    let mut f = Filter::new(
+        IpVersion::V6,
+        Ownership::new("dph"),
+        ShardLayout {
+            marks: Marks::default(),
+            shards: 4,
+            per_shard: 0,
+        },
+    );
     f.set_chain(
         "dph-INPUT",
         vec![
