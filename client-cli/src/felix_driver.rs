@@ -36,6 +36,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use dphandler_proto::client;
 use dphandler_proto::v1::{self, status_update, to_dataplane_reply};
 use dphandler_proto::wire::RawToDataplane;
 use dphandler_proto::wire::raw::dataplane_client::DataplaneClient;
@@ -138,6 +139,17 @@ async fn connect(conn: &ConnArgs, timeout: Duration) -> anyhow::Result<Channel> 
                 return Err(e.context(format!(
                     "no dphandler within {timeout:?}: Felix will restart the driver"
                 )));
+            }
+            // Settings or TLS files that are wrong stay wrong: no waiting
+            // out the timeout for them.
+            Err(e)
+                if !e
+                    .downcast_ref::<client::ConnectError>()
+                    .is_some_and(client::ConnectError::is_retryable) =>
+            {
+                return Err(
+                    e.context("cannot connect to dphandler, and trying again will not help")
+                );
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }

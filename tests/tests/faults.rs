@@ -5,7 +5,7 @@
 //! counted), while the daemon is killed mid-apply and restarted, its kernel
 //! tool fails, its feeder drops mid-snapshot, or its chains and sets are
 //! changed by hand. Each test prints what it measured (`faults:` lines;
-//! the README's reliability table is one run of them). All traffic stays
+//! docs/reliability.md's table is one run of them). All traffic stays
 //! inside the test's namespaces. Needs root.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -696,7 +696,7 @@ async fn an_emptied_ip_set_is_refilled() -> Result<()> {
 /// Two feeders at once: their messages go onto one shared state in the
 /// order they arrive; what both sent is programmed, and the second's
 /// `InSync` removes what the first created before the second began and
-/// did not send again (see the README, "Sessions and several feeders").
+/// did not send again (see docs/api.md, "Sessions and several feeders").
 #[tokio::test]
 async fn two_feeders_at_once_share_one_state() -> Result<()> {
     if !privileged() {

@@ -39,13 +39,19 @@ impl Felix {
     /// the read end of Felix's ToDataplane pipe, fd 4 the write end of its
     /// FromDataplane pipe.
     fn start(driver: &Path, socket: &Path) -> Result<Self> {
+        Self::start_env(driver, socket, &[])
+    }
+
+    /// [`Felix::start`] with more environment variables for the driver.
+    fn start_env(driver: &Path, socket: &Path, env: &[(&str, &str)]) -> Result<Self> {
         let (to_r, to_w) = std::io::pipe()?;
         let (from_r, from_w) = std::io::pipe()?;
         let mut cmd = Command::new(driver);
         cmd.env("DPH_SOCKET", socket)
             .env("DPH_FELIX_CONNECT_TIMEOUT_SECONDS", "5")
             .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .stderr(Stdio::piped())
+            .envs(env.iter().copied());
         cmd.fd_mappings(vec![
             FdMapping {
                 parent_fd: OwnedFd::from(to_r),
@@ -520,6 +526,33 @@ async fn what_makes_the_driver_exit() -> Result<()> {
     let (st, said) = f.exit(15)?;
     assert!(!st.success(), "{said}");
     assert!(said.contains("no dphandler within"), "{said}");
+
+    // A TLS file that is not there stays missing: it says so at once
+    // rather than after its connect timeout (here 5 s).
+    let started = Instant::now();
+    let missing = dir.path().join("no-ca.pem");
+    let missing = missing.to_str().unwrap();
+    let mut f = Felix::start_env(
+        &drv,
+        &socket,
+        &[
+            ("DPH_TCP", "127.0.0.1:9"),
+            ("DPH_TLS_CA", missing),
+            ("DPH_TLS_CERT", missing),
+            ("DPH_TLS_KEY", missing),
+        ],
+    )?;
+    let (st, said) = f.exit(15)?;
+    assert!(!st.success(), "{said}");
+    assert!(
+        said.contains("trying again will not help") && said.contains("no-ca.pem"),
+        "{said}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
     Ok(())
 }
 

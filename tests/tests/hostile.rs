@@ -1,7 +1,7 @@
 //! Hostile input against the real server in a namespace of its own: each
 //! malformed or malicious message gets a rejection naming its field,
 //! nothing of it reaches the kernel, and the stream and the rest of the
-//! state go on. The cases are the README's table ("Hostile input"), which
+//! state go on. The cases are the table in docs/api.md ("Hostile input"), which
 //! this test checks is in step with them. Needs root.
 
 use std::time::Duration;
@@ -504,8 +504,8 @@ fn kernel(ns: &Netns) -> Result<String> {
 #[tokio::test]
 async fn hostile_messages_are_rejected_by_field_and_nothing_reaches_the_kernel() -> Result<()> {
     let cases = cases();
-    // The README's table is this list.
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))?;
+    // The table in docs/api.md ("Hostile input") is this list.
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api.md"))?;
     let rows: Vec<String> = cases
         .iter()
         .enumerate()
@@ -513,7 +513,7 @@ async fn hostile_messages_are_rejected_by_field_and_nothing_reaches_the_kernel()
         .collect();
     assert!(
         rows.iter().all(|r| readme.contains(r.as_str())),
-        "the README's table should read:\n{}",
+        "docs/api.md's table should read:\n{}",
         rows.join("\n")
     );
     assert!(cases.len() >= 60, "{} cases", cases.len());

@@ -81,7 +81,7 @@
 //! element), by walking every chain reachable from each of the table's
 //! base chains (~0.23 µs per rule visited per hook); set elements and
 //! deletions are not validated (`../shared/reference/nftables-validation.md`,
-//! measured in the README's nftables section). So:
+//! measured in docs/performance.md, "nftables: what one commit costs"). So:
 //!
 //! | change | written as | validation walk |
 //! |---|---|---|
