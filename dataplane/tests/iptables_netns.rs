@@ -10,8 +10,9 @@ mod common;
 use anyhow::Result;
 use common::{Netns, privileged};
 use dphandler_dataplane::backends::iptables::restore::{Flavor, IptablesTool};
-use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Rule, Table};
+use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Table};
 use dphandler_dataplane::backends::{Backend, BackendError, Phase, Refresh};
+use dphandler_dataplane::generictables::{Ownership, Rule};
 use dphandler_dataplane::model::IpVersion;
 
 /// Counts restores, so a test can tell that nothing was written.
@@ -250,9 +251,10 @@ fn detection_follows_the_rules_already_there() -> Result<()> {
 /// iptables-restore (v4 and v6, nft), with the IP sets it names in place.
 #[test]
 fn rendered_rules_load_into_the_kernel() -> Result<()> {
+    use dphandler_dataplane::model::Marks;
     use dphandler_dataplane::model::ipsets::SetNames;
     use dphandler_dataplane::model::{Action, IcmpMatch, Id, PortRange, Protocol, Rule as M};
-    use dphandler_dataplane::rules::{Marks, Renderer};
+    use dphandler_dataplane::rules::Renderer;
     if !privileged() {
         return Ok(());
     }

@@ -12,9 +12,9 @@ mod common;
 use anyhow::{Context, Result, ensure};
 use common::{Netns, privileged};
 use dphandler_dataplane::backends::ipsets::Meta;
-use dphandler_dataplane::backends::iptables::Rule;
 use dphandler_dataplane::backends::nftables::Dataplane;
 use dphandler_dataplane::backends::{Backend, Phase, Refresh};
+use dphandler_dataplane::generictables::Rule;
 use dphandler_dataplane::model::IpVersion;
 use dphandler_dataplane::model::ipsets::{IpSetType, Member, SetNames};
 

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use dphandler_dataplane::backends::ipsets::{IpSetExec, IpSets};
-use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Table};
+use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Table};
 use dphandler_dataplane::backends::nftables::dataplane::{Dataplane, NftKernel};
 use dphandler_dataplane::backends::nftables::netlink::NftError;
 use dphandler_dataplane::backends::nftables::ops::{Family, Op};
@@ -27,6 +27,7 @@ use dphandler_dataplane::backends::wireguard::plan::{DeviceChange, ObservedDevic
 use dphandler_dataplane::backends::wireguard::{Carrier, Created, WgSeam, Wireguard};
 use dphandler_dataplane::backends::xdp::{Verdicts, Xdp, XdpSeam};
 use dphandler_dataplane::backends::{BackendError, DesiredKernel};
+use dphandler_dataplane::generictables::Ownership;
 use dphandler_dataplane::interfaces::InterfaceEvent;
 use dphandler_dataplane::managers::Manager;
 use dphandler_dataplane::managers::endpoints::{

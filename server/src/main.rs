@@ -12,7 +12,7 @@ use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
 use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
 };
-use dphandler_dataplane::backends::iptables::{InsertMode, Ownership, Table};
+use dphandler_dataplane::backends::iptables::{InsertMode, Table};
 use dphandler_dataplane::backends::nftables::Dataplane;
 use dphandler_dataplane::backends::nftables::shards::ShardLayout;
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
@@ -22,6 +22,7 @@ use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::wireguard::{Wireguard, device::WgNetlink, keys::KeyStore};
 use dphandler_dataplane::backends::xdp::{BpfSeam, Xdp};
 use dphandler_dataplane::backends::{Backend, DesiredKernel};
+use dphandler_dataplane::generictables::Ownership;
 use dphandler_dataplane::managers::nat::NatManager;
 use dphandler_dataplane::managers::{
     Manager,
@@ -31,12 +32,12 @@ use dphandler_dataplane::managers::{
     wireguard::{WireguardConfig, WireguardManager},
     xdp::{XdpManager, proto_number},
 };
+use dphandler_dataplane::model::Marks;
 use dphandler_dataplane::model::{
     IfaceName, IpVersion,
     ipsets::SetNames,
     wireguard::{WgImpl, WgSettings},
 };
-use dphandler_dataplane::rules::Marks;
 use dphandler_dataplane::sync_loop::LoopConfig;
 use dphandler_proto::wire::raw::dataplane_server::DataplaneServer;
 use dphandler_server::access::limit_connections;

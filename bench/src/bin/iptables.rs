@@ -19,8 +19,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use dphandler_dataplane::backends::iptables::restore::{Flavor, IptablesTool};
-use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Ownership, Rule, Table};
+use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Table};
 use dphandler_dataplane::backends::{Backend, BackendError, Phase};
+use dphandler_dataplane::generictables::{Ownership, Rule};
 use dphandler_dataplane::model::IpVersion;
 
 #[derive(Parser, Debug)]

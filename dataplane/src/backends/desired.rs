@@ -8,7 +8,7 @@
 use std::collections::{BTreeSet, HashSet};
 
 use super::ipsets::Meta;
-use super::iptables::{Rule, RuleError};
+use crate::generictables::{Rule, RuleError};
 use crate::model::IpVersion;
 use crate::model::ipsets::{Member, SetNames};
 

@@ -407,14 +407,14 @@ impl DesiredKernel {
     }
 
     /// What backends announce (WireGuard keys), once each.
-    pub fn take_events(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+    pub fn take_events(&mut self) -> Vec<crate::status::StatusEvent> {
         self.wireguard
             .as_mut()
             .map(|w| w.take_events())
             .unwrap_or_default()
             .into_iter()
             .map(
-                |(ip_version, public_key)| crate::sync_loop::StatusEvent::WireguardStatus {
+                |(ip_version, public_key)| crate::status::StatusEvent::WireguardStatus {
                     ip_version,
                     public_key,
                 },

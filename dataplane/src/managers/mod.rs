@@ -53,7 +53,7 @@ pub trait Manager: Send {
     fn complete_deferred_work(&mut self, kernel: &mut DesiredKernel) -> Result<(), ManagerError>;
     /// After an apply that left nothing dirty: status changes to report
     /// (e.g. an endpoint that went up or down), each once.
-    fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
+    fn status_changes(&mut self) -> Vec<crate::status::StatusEvent> {
         Vec::new()
     }
     /// What this manager reports in status (`GetStatus` details): (key,

@@ -13,7 +13,7 @@ use ipnet::IpNet;
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
-use crate::backends::iptables::{Rule, RuleError};
+use crate::generictables::{Rule, RuleError};
 use crate::managers::ipsets::{ALL_POOLS, MASQ_POOLS};
 use crate::model::ipsets::SetNames;
 use crate::model::{Id, IpVersion, Key, Update};

@@ -220,7 +220,7 @@ fn parse_mask(s: &str) -> Result<u32, String> {
         None => s.parse(),
     }
     .map_err(|_| format!("{s:?} is not a 32-bit mask (e.g. 0xffff0000)"))?;
-    crate::rules::Marks::from_mask(v)?;
+    crate::model::Marks::from_mask(v)?;
     Ok(v)
 }
 

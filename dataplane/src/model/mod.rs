@@ -9,6 +9,7 @@
 pub mod config;
 pub mod endpoints;
 pub mod ipsets;
+pub mod marks;
 pub mod network;
 pub mod policy;
 pub mod routes;
@@ -22,6 +23,7 @@ pub use endpoints::{
     WorkloadEndpoint, WorkloadEndpointId,
 };
 pub use ipsets::{IpSet, IpSetDelta, IpSetType, Member};
+pub use marks::Marks;
 pub use network::{
     Encapsulation, GlobalBgpConfig, HostMetadata, IpamPool, Route, Service, Vtep, WireguardEndpoint,
 };

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::ops::{BaseChain, Hook};
 use super::translate::{Dispatch, Translated, translate};
 use crate::backends::desired::RuleTable;
-use crate::backends::iptables::{Ownership, Rule, RuleError, chained_hashes, rule_hashes};
+use crate::generictables::{Ownership, Rule, RuleError, chained_hashes, rule_hashes};
 use crate::model::IpVersion;
 
 /// One chain: the managers' rules, what they translate to, and the

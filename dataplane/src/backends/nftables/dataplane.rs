@@ -37,8 +37,8 @@ use super::read::{
 use super::sets::DesiredSets;
 use super::shards::{Filter, ShardLayout};
 use crate::backends::desired::{RuleTable, SetStore};
-use crate::backends::iptables::Ownership;
 use crate::backends::{ApplyOutcome, Backend, BackendError, BackgroundRead, Phase, Refresh};
+use crate::generictables::Ownership;
 use crate::model::IpVersion;
 use crate::model::ipsets::SetNames;
 
@@ -970,7 +970,7 @@ impl Backend for Dataplane {
                 out.push((
                     format!(
                         "{}{}.{}.{chain}",
-                        crate::sync_loop::ISOLATED,
+                        crate::status::ISOLATED,
                         self.name(),
                         super::plan::table_name(&self.own.chain_prefix, t.table())
                     ),
@@ -1037,7 +1037,7 @@ mod tests {
     use super::super::plan::Content;
     use super::*;
     use crate::backends::ipsets::Meta;
-    use crate::backends::iptables::Rule;
+    use crate::generictables::Rule;
     use crate::model::ipsets::{IpSetType, Member};
 
     /// Commits are recorded (what the kernel holds is set by the test);
@@ -1471,10 +1471,8 @@ mod tests {
 
     impl NftKernel for RefusesChain {
         fn commit(&mut self, ops: &[Op]) -> Result<(), NftError> {
-            let drop = crate::backends::iptables::rule_hashes(
-                &self.chain,
-                &[Rule::parse("-j DROP").unwrap()],
-            );
+            let drop =
+                crate::generictables::rule_hashes(&self.chain, &[Rule::parse("-j DROP").unwrap()]);
             let drop = format!("dph:{}", drop[0].as_str());
             if let Some(i) = ops.iter().position(|o| {
                 matches!(o, Op::AddRule { chain, comment, .. }
@@ -1675,7 +1673,7 @@ mod tests {
             "dph",
             SetNames::new("dph").unwrap(),
             ShardLayout {
-                marks: crate::rules::Marks::default(),
+                marks: crate::model::Marks::default(),
                 shards: 2,
                 per_shard: 0,
             },

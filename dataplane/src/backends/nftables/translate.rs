@@ -1,5 +1,5 @@
 //! The managers' rules (iptables' match and target syntax, built only from
-//! the tokens [`crate::backends::iptables::Rule`] allows) as nf_tables
+//! the tokens [`crate::generictables::Rule`] allows) as nf_tables
 //! expressions, so that one renderer feeds both dataplanes. Pure: text
 //! in, expressions out.
 //!

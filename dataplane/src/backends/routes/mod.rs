@@ -644,7 +644,7 @@ impl Backend for Routes {
             out.push((
                 format!(
                     "{}routes.table{}.{}",
-                    crate::sync_loop::ISOLATED,
+                    crate::status::ISOLATED,
                     k.table,
                     k.dst
                 ),

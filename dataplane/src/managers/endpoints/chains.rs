@@ -4,7 +4,7 @@ use crate::model::config::EndpointToHost;
 use std::collections::BTreeMap;
 
 use super::{EndpointsManager, bad, clear, mark, on_mark, rule};
-use crate::backends::iptables::{MAX_CHAIN_NAME, Rule};
+use crate::generictables::{MAX_CHAIN_NAME, Rule};
 use crate::managers::ManagerError;
 use crate::managers::hosts::Resolved;
 use crate::managers::ipsets::VXLAN_SOURCES;

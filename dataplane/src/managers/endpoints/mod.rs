@@ -52,13 +52,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::{Manager, ManagerError};
 use crate::backends::DesiredKernel;
-use crate::backends::iptables::{Rule, RuleError};
+use crate::generictables::{Rule, RuleError};
+use crate::model::Marks;
 use crate::model::ipsets::SetNames;
 use crate::model::{
     EndpointState, HostEndpoint, HostEndpointId, Id, IpVersion, Key, Policy, PolicyId, Profile,
     Update, WorkloadEndpoint, WorkloadEndpointId,
 };
-use crate::rules::{ChainNames, Marks};
+use crate::rules::ChainNames;
 use chains::{FILTER, MANGLE, RAW};
 
 /// Built-in chains we hook, per table, and our chain for each.
@@ -877,15 +878,15 @@ impl Manager for EndpointsManager {
                     Owner::Static => ("chains", "static".into()),
                 };
                 (
-                    format!("{}{kind}.{id}", crate::sync_loop::ISOLATED),
+                    format!("{}{kind}.{id}", crate::status::ISOLATED),
                     why.clone(),
                 )
             })
             .collect()
     }
 
-    fn status_changes(&mut self) -> Vec<crate::sync_loop::StatusEvent> {
-        use crate::sync_loop::StatusEvent;
+    fn status_changes(&mut self) -> Vec<crate::status::StatusEvent> {
+        use crate::status::StatusEvent;
         let mut out = Vec::new();
         for id in std::mem::take(&mut self.status_due) {
             let Some(ep) = self.endpoints.get(&id) else {

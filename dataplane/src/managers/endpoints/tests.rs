@@ -74,7 +74,8 @@ impl crate::backends::iptables::IptablesExec for NoKernel {
 
 /// filter, raw and mangle of version `v`.
 fn kernel(v: IpVersion) -> DesiredKernel {
-    use crate::backends::iptables::{InsertMode, Ownership, Table};
+    use crate::backends::iptables::{InsertMode, Table};
+    use crate::generictables::Ownership;
     DesiredKernel {
         tables: ["filter", "raw", "mangle"]
             .into_iter()
@@ -956,7 +957,7 @@ fn static_neighbours_for_ipv4_only_ipv6_is_left_to_ndp() {
 #[test]
 fn status_reports_follow_endpoints_and_their_links() {
     use crate::interfaces::InterfaceEvent as E;
-    use crate::sync_loop::StatusEvent as S;
+    use crate::status::StatusEvent as S;
     let mut m = mgr();
     let wid = |iface: &str| WorkloadEndpointId {
         orchestrator: id("k8s"),
@@ -1433,7 +1434,8 @@ fn an_object_that_cannot_be_rendered_is_isolated_and_the_rest_programmed() {
 /// isolated, every table takes its chains.
 #[test]
 fn every_chain_name_fits_with_the_longest_prefix() {
-    use crate::backends::iptables::{InsertMode, MAX_CHAIN_NAME, Ownership, Table};
+    use crate::backends::iptables::{InsertMode, Table};
+    use crate::generictables::{MAX_CHAIN_NAME, Ownership};
     use crate::model::HostInterface;
     use crate::model::ipsets::MAX_PREFIX;
     let prefix = "p".repeat(MAX_PREFIX);

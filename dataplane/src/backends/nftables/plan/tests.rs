@@ -61,7 +61,7 @@ fn refs(tables: &[ChainTable]) -> Vec<&ChainTable> {
 use super::*;
 use crate::backends::desired::SetStore;
 use crate::backends::ipsets::Meta;
-use crate::backends::iptables::{Ownership, Rule};
+use crate::generictables::{Ownership, Rule};
 use crate::model::IpVersion;
 use crate::model::ipsets::{IpSetType, Member, SetNames};
 use std::collections::{BTreeMap, HashSet};

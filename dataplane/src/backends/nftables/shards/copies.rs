@@ -8,8 +8,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use super::Placement;
 use super::inline::Marks;
 use crate::backends::desired::RuleTable;
-use crate::backends::iptables::{Rule, RuleError};
 use crate::backends::nftables::chains::ChainTable;
+use crate::generictables::{Rule, RuleError};
 
 /// Shard `s` holds a copy of filter's chain `name` (one more chain there
 /// jumps to it).

@@ -24,7 +24,7 @@
 //!   where no pass mark can be set: after the tier cleared it, with only
 //!   such pass-free chains run since.
 
-use crate::backends::iptables::Rule;
+use crate::generictables::Rule;
 
 /// The accept and pass marks, and the prefix of our chains' names.
 #[derive(Debug, Clone, Copy)]

@@ -83,9 +83,9 @@ use copies::{copy, put_list, release, render_list};
 
 use super::chains::{ChainTable, END, FIRST};
 use crate::backends::desired::RuleTable;
-use crate::backends::iptables::{Ownership, Rule, RuleError};
+use crate::generictables::{Ownership, Rule, RuleError};
 use crate::model::IpVersion;
-use crate::rules::Marks;
+use crate::model::Marks;
 
 /// Most shard tables (their names are static).
 pub const MAX_SHARDS: usize = 32;

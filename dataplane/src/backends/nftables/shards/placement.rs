@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use super::{Dir, Placement, on_bit, rule};
 use crate::backends::desired::RuleTable;
-use crate::backends::iptables::{Rule, RuleError};
 use crate::backends::nftables::chains::ChainTable;
+use crate::generictables::{Rule, RuleError};
 
 impl Placement {
     /// A policy list chain's first rule. Egress (checked in prerouting):
