@@ -1216,3 +1216,71 @@ async fn serve(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// docs/configuration.md's table has one row per `serve` flag
+    /// (`` | `--flag` | `DPH_ENV` | default … | ``) with its variable, whose
+    /// default column names clap's default where the flag has one, and no
+    /// row for a flag the daemon does not have.
+    #[test]
+    fn configuration_doc_lists_every_flag() {
+        let doc = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/configuration.md"
+        ))
+        .unwrap();
+        let mut rows: BTreeMap<String, (String, String)> = BTreeMap::new();
+        for line in doc.lines().filter(|l| l.starts_with("| `--")) {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let flag = cells[1].trim_matches('`').to_string();
+            let env = cells[2].trim_matches('`').to_string();
+            assert!(
+                rows.insert(flag.clone(), (env, cells[3].to_string()))
+                    .is_none(),
+                "{flag}: two rows"
+            );
+        }
+        let mut cli = Cli::command();
+        cli.build();
+        let serve = cli.find_subcommand("serve").expect("serve");
+        let mut wrong = Vec::new();
+        let mut seen = 0;
+        for arg in serve.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            seen += 1;
+            let flag = format!("--{long}");
+            let env = arg
+                .get_env()
+                .map(|e| e.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            match rows.remove(&flag) {
+                None => wrong.push(format!("{flag}: no row")),
+                Some((documented, _)) if documented != env => {
+                    wrong.push(format!("{flag}: the row says {documented}, the flag reads {env}"))
+                }
+                Some((_, default)) => {
+                    for d in arg.get_default_values() {
+                        let d = d.to_string_lossy();
+                        // A switch's `false` reads "off".
+                        let off = d == "false" && default.starts_with("off");
+                        if !off && !default.contains(d.as_ref()) {
+                            wrong.push(format!("{flag}: default {d:?} not in {default:?}"));
+                        }
+                    }
+                }
+            }
+        }
+        for flag in rows.keys() {
+            wrong.push(format!("{flag}: documented, but serve has no such flag"));
+        }
+        assert!(seen > 60, "{seen} flags read");
+        assert!(wrong.is_empty(), "docs/configuration.md:\n{}", wrong.join("\n"));
+    }
+}
