@@ -205,8 +205,8 @@ struct ServeArgs {
     /// flavour below), `nftables` (our own nf_tables tables and sets over
     /// netlink), or `auto` (iptables, until the nftables dataplane has
     /// passed everything the iptables one does).
-    #[arg(long, env = "DPH_DATAPLANE", default_value = "auto", value_parser = ["auto", "iptables", "nftables"])]
-    dataplane: String,
+    #[arg(long, env = "DPH_DATAPLANE", value_enum, default_value = "auto")]
+    dataplane: DataplaneChoice,
     /// nftables: how many tables workload policy is spread over (each
     /// workload's chains, with copies of the policy chains and IP sets
     /// they use, in one), so that a rule change makes the kernel check one
@@ -328,8 +328,8 @@ struct ServeArgs {
     /// XDP acceleration of untracked ingress deny on host endpoints
     /// (Felix's XDPEnabled): `enabled` or `disabled` (then an earlier run's
     /// XDP programs are removed).
-    #[arg(long, env = "DPH_XDP", default_value = "enabled", value_parser = ["enabled", "disabled"])]
-    xdp: String,
+    #[arg(long, env = "DPH_XDP", value_enum, default_value = "enabled")]
+    xdp: Switch,
     /// Where the XDP programs' links and maps are pinned (a bpffs; mounted
     /// there if it is not one).
     #[arg(long, env = "DPH_BPFFS", default_value = "/sys/fs/bpf")]
@@ -446,6 +446,25 @@ impl ServeArgs {
             _ => bail!("--tls-cert, --tls-key and --tls-ca go together"),
         }
     }
+}
+
+/// What programs policy (`--dataplane`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DataplaneChoice {
+    /// iptables, until the nftables dataplane has passed everything the
+    /// iptables one does.
+    Auto,
+    /// iptables-restore and ipset.
+    Iptables,
+    /// The daemon's own nf_tables tables and sets over netlink.
+    Nftables,
+}
+
+/// On or off (`--xdp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Switch {
+    Enabled,
+    Disabled,
 }
 
 #[tokio::main]
@@ -672,7 +691,7 @@ async fn serve(
     };
     let names =
         SetNames::new(&args.prefix).map_err(|e| anyhow::anyhow!("--prefix: {}", e.reason))?;
-    let nftables = args.dataplane == "nftables";
+    let nftables = args.dataplane == DataplaneChoice::Nftables;
     let names = if nftables {
         names.for_nftables()
     } else {
@@ -707,7 +726,7 @@ async fn serve(
     info!(?flavor, "iptables flavour");
     let metrics = Arc::new(dphandler_dataplane::metrics::Metrics::default());
     let mut kernel = DesiredKernel::default();
-    let nftables = args.dataplane == "nftables";
+    let nftables = args.dataplane == DataplaneChoice::Nftables;
     info!(
         dataplane = if nftables { "nftables" } else { "iptables" },
         "policy dataplane"
@@ -848,7 +867,7 @@ async fn serve(
             .context("--wireguard-table")?,
         );
     }
-    let xdp_enabled = args.xdp == "enabled";
+    let xdp_enabled = args.xdp == Switch::Enabled;
     if !args.dry_run {
         // The backend runs even with XDP off: it removes an earlier run's
         // programs.
@@ -1262,9 +1281,9 @@ mod tests {
                 .unwrap_or_default();
             match rows.remove(&flag) {
                 None => wrong.push(format!("{flag}: no row")),
-                Some((documented, _)) if documented != env => {
-                    wrong.push(format!("{flag}: the row says {documented}, the flag reads {env}"))
-                }
+                Some((documented, _)) if documented != env => wrong.push(format!(
+                    "{flag}: the row says {documented}, the flag reads {env}"
+                )),
                 Some((_, default)) => {
                     for d in arg.get_default_values() {
                         let d = d.to_string_lossy();
@@ -1281,6 +1300,10 @@ mod tests {
             wrong.push(format!("{flag}: documented, but serve has no such flag"));
         }
         assert!(seen > 60, "{seen} flags read");
-        assert!(wrong.is_empty(), "docs/configuration.md:\n{}", wrong.join("\n"));
+        assert!(
+            wrong.is_empty(),
+            "docs/configuration.md:\n{}",
+            wrong.join("\n")
+        );
     }
 }
