@@ -9,13 +9,13 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use common::{Netns, privileged};
+use dphandler_dataplane::backends::iprules::IpRuleSeam;
+use dphandler_dataplane::backends::iprules::netlink::IpRuleNetlink;
 use dphandler_dataplane::backends::routes::netlink::RouteNetlink;
 use dphandler_dataplane::backends::routes::{
     KernelFdb, RT_SCOPE_LINK, RT_SCOPE_UNIVERSE, RTN_BLACKHOLE, RTN_UNICAST, RouteOp, RouteSeam,
     kernel_route,
 };
-use dphandler_dataplane::backends::rules::RuleSeam;
-use dphandler_dataplane::backends::rules::netlink::RuleNetlink;
 use dphandler_dataplane::backends::vxlan::netlink::VxlanNetlink;
 use dphandler_dataplane::backends::vxlan::{VxlanOp, VxlanSeam, fix_in_place, incompatible};
 use dphandler_dataplane::model::MacAddr;
@@ -290,7 +290,7 @@ fn ip_rules_round_trip_and_look_up_their_table() -> Result<()> {
         },
     ];
     let (read, after_delete) = ns.within(move || -> Result<_> {
-        let mut s = RuleNetlink::open()?;
+        let mut s = IpRuleNetlink::open()?;
         for r in &rules {
             s.add(r)?;
         }

@@ -9,6 +9,7 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
+use dphandler_dataplane::backends::iprules::{IpRuleSeam, IpRules};
 use dphandler_dataplane::backends::ipsets::{IpSetExec, IpSets};
 use dphandler_dataplane::backends::iptables::{InsertMode, IptablesExec, Table};
 use dphandler_dataplane::backends::nftables::dataplane::{Dataplane, NftKernel};
@@ -20,7 +21,6 @@ use dphandler_dataplane::backends::routes::kernel::{
     KernelFdb, KernelNeighbour, KernelRoute, Link, RouteOwnership, RouteSeam,
 };
 use dphandler_dataplane::backends::routes::{RouteOp, Routes};
-use dphandler_dataplane::backends::rules::{RuleSeam, Rules};
 use dphandler_dataplane::backends::vxlan::{ObservedLink, Vxlan, VxlanOp, VxlanSeam};
 use dphandler_dataplane::backends::wireguard::keys::KeyStore;
 use dphandler_dataplane::backends::wireguard::plan::{DeviceChange, ObservedDevice};
@@ -150,7 +150,7 @@ impl RouteSeam for NoRoutes {
 #[derive(Debug)]
 struct NoRules;
 
-impl RuleSeam for NoRules {
+impl IpRuleSeam for NoRules {
     fn rules(&mut self) -> Result<Vec<IpRule>, BackendError> {
         Ok(Vec::new())
     }
@@ -309,7 +309,7 @@ pub fn kernel_recording(nftables: bool, faults: &Faults, commits: &Commits) -> D
         KeyStore::new(None),
         Default::default(),
     ));
-    k.rules = Some(Rules::new([1, 2], Box::new(NoRules)).expect("tables 1 and 2"));
+    k.ip_rules = Some(IpRules::new([1, 2], Box::new(NoRules)).expect("tables 1 and 2"));
     k.xdp = Some(Xdp::new(Box::new(NoXdp), vec![(6, 22)]));
     k
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, bail};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, parser::ValueSource};
 use dphandler_dataplane::backends::cleanup::Cleanup;
+use dphandler_dataplane::backends::iprules::{IpRules, netlink::IpRuleNetlink};
 use dphandler_dataplane::backends::ipsets::{IpSets, restore::IpsetTool};
 use dphandler_dataplane::backends::iptables::restore::{
     self as iptables_restore, FlavorChoice, IptablesTool,
@@ -16,7 +17,6 @@ use dphandler_dataplane::backends::iptables::{InsertMode, Table};
 use dphandler_dataplane::backends::nftables::Dataplane;
 use dphandler_dataplane::backends::nftables::shards::ShardLayout;
 use dphandler_dataplane::backends::routes::{RouteOwnership, Routes, netlink::RouteNetlink};
-use dphandler_dataplane::backends::rules::{Rules, netlink::RuleNetlink};
 use dphandler_dataplane::backends::sysctl::{Forwarding, NodeSettings, Sysctls};
 use dphandler_dataplane::backends::vxlan::{Vxlan, netlink::VxlanNetlink};
 use dphandler_dataplane::backends::wireguard::{Wireguard, device::WgNetlink, keys::KeyStore};
@@ -859,10 +859,10 @@ async fn serve(
                 args.wireguard_interface_v6.as_str(),
             ]),
         );
-        kernel.rules = Some(
-            Rules::new(
+        kernel.ip_rules = Some(
+            IpRules::new(
                 [args.wireguard_table, args.wireguard_table_v6],
-                Box::new(RuleNetlink::open().context("opening the rules' netlink socket")?),
+                Box::new(IpRuleNetlink::open().context("opening the rules' netlink socket")?),
             )
             .context("--wireguard-table")?,
         );

@@ -9,13 +9,13 @@
 
 pub mod cleanup;
 pub mod desired;
+pub mod iprules;
 pub mod ipsets;
 pub mod iptables;
 pub mod netlink;
 pub mod nftables;
 pub mod recording;
 pub mod routes;
-pub mod rules;
 pub mod sysctl;
 pub mod vxlan;
 pub mod wireguard;
@@ -320,7 +320,7 @@ pub struct DesiredKernel {
     /// Routes, neighbours and FDB entries.
     pub routes: Option<routes::Routes>,
     /// ip rules into the routing tables we own (WireGuard's).
-    pub rules: Option<rules::Rules>,
+    pub ip_rules: Option<iprules::IpRules>,
     /// Per-interface settings of workload interfaces.
     pub sysctls: Option<sysctl::Sysctls>,
     /// Backends without a typed slot (and the recording ones in tests).
@@ -342,7 +342,7 @@ impl std::fmt::Debug for DesiredKernel {
                     .chain(self.wireguard.iter().map(|b| b.name()))
                     .chain(self.xdp.iter().map(|b| b.name()))
                     .chain(self.routes.iter().map(|b| b.name()))
-                    .chain(self.rules.iter().map(|b| b.name()))
+                    .chain(self.ip_rules.iter().map(|b| b.name()))
                     .chain(self.sysctls.iter().map(|b| b.name()))
                     .chain(self.others.iter().map(|b| b.name()))
                     .collect::<Vec<_>>(),
@@ -362,7 +362,7 @@ impl DesiredKernel {
             .chain(self.wireguard.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.xdp.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.rules.iter_mut().map(|b| b as &mut dyn Backend))
+            .chain(self.ip_rules.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
             .chain(
                 self.others
@@ -379,7 +379,7 @@ impl DesiredKernel {
             && self.wireguard.is_none()
             && self.xdp.is_none()
             && self.routes.is_none()
-            && self.rules.is_none()
+            && self.ip_rules.is_none()
             && self.sysctls.is_none()
             && self.others.is_empty()
     }

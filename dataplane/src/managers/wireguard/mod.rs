@@ -418,7 +418,7 @@ impl Manager for WireguardManager {
         if let Some(r) = &mut kernel.routes {
             r.set(RouteSource::Wireguard, table, BTreeSet::new());
         }
-        if let Some(r) = &mut kernel.rules {
+        if let Some(r) = &mut kernel.ip_rules {
             r.set(rules);
         }
         Ok(())

@@ -145,7 +145,7 @@ fn peers_table_and_rule() {
         addr: "192.168.0.1/24".parse().unwrap(),
     });
     let mut k = kernel();
-    k.rules = None;
+    k.ip_rules = None;
     m.complete_deferred_work(&mut k).unwrap();
     let dev = v4(&k).clone();
     assert_eq!(dev.name, "wireguard.cali");
@@ -271,7 +271,7 @@ fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
     m.check(&on).unwrap();
     m.on_update(&on);
     let mut k = kernel();
-    k.rules = Some(crate::backends::rules::Rules::new([1, 2], Box::new(NoRules)).unwrap());
+    k.ip_rules = Some(crate::backends::iprules::IpRules::new([1, 2], Box::new(NoRules)).unwrap());
     m.complete_deferred_work(&mut k).unwrap();
     let dev = v4(&k);
     assert_eq!(
@@ -280,7 +280,7 @@ fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
     );
     assert_eq!(dev.peers.values().next().unwrap().endpoint.port(), 51999);
     let rules: Vec<IpRule> = k
-        .rules
+        .ip_rules
         .as_ref()
         .unwrap()
         .desired()
@@ -308,7 +308,7 @@ fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
             .desired(IpVersion::V4)
             .is_none()
     );
-    assert!(k.rules.as_ref().unwrap().desired().is_empty());
+    assert!(k.ip_rules.as_ref().unwrap().desired().is_empty());
     assert!(table(&k).is_empty());
     for (key, value, says) in [
         ("WireguardEnabled", "maybe", "not true or false"),
@@ -343,7 +343,7 @@ fn config_update_turns_it_on_and_off_and_bad_values_are_refused() {
 
 #[derive(Debug)]
 struct NoRules;
-impl crate::backends::rules::RuleSeam for NoRules {
+impl crate::backends::iprules::IpRuleSeam for NoRules {
     fn rules(&mut self) -> Result<Vec<IpRule>, crate::backends::BackendError> {
         Ok(vec![])
     }
@@ -508,7 +508,7 @@ fn a_host_mtu_under_the_overhead_gives_the_least_mtu() {
         addr: "192.168.0.1/24".parse().unwrap(),
     });
     let mut k = kernel();
-    k.rules = None;
+    k.ip_rules = None;
     m.complete_deferred_work(&mut k).unwrap();
     assert_eq!(v4(&k).mtu, 68);
 }

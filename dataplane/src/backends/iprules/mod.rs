@@ -6,7 +6,7 @@
 //! own rules (`lookup local/main/default`) and other agents' rules stay.
 //! Each apply reads the rules of both families (at start, after a failure
 //! and on the route refresh tick; otherwise it trusts what it wrote),
-//! deletes ours that are no longer wanted and adds the missing ones. Rules
+//! deletes ours that are no longer wanted and adds the missing ones. IpRules
 //! are compared as Felix's `RulesMatchSrcFWMarkTable` does: priority,
 //! family, fwmark and mask, invert, source, table.
 //!
@@ -23,7 +23,7 @@ use super::{ApplyOutcome, Backend, BackendError, Phase, Refresh};
 use crate::model::routes::IpRule;
 
 /// The seam to the kernel.
-pub trait RuleSeam: Send + std::fmt::Debug {
+pub trait IpRuleSeam: Send + std::fmt::Debug {
     /// Every rule of both families.
     fn rules(&mut self) -> Result<Vec<IpRule>, BackendError>;
     fn add(&mut self, rule: &IpRule) -> Result<(), BackendError>;
@@ -36,18 +36,18 @@ pub trait RuleSeam: Send + std::fmt::Debug {
 pub struct KernelTable(pub u32);
 
 #[derive(Debug)]
-pub struct Rules {
+pub struct IpRules {
     tables: BTreeSet<u32>,
-    seam: Box<dyn RuleSeam>,
+    seam: Box<dyn IpRuleSeam>,
     desired: BTreeSet<IpRule>,
     observed: Option<BTreeSet<IpRule>>,
 }
 
-impl Rules {
+impl IpRules {
     /// A backend owning the rules that look up `tables`.
     pub fn new(
         tables: impl IntoIterator<Item = u32>,
-        seam: Box<dyn RuleSeam>,
+        seam: Box<dyn IpRuleSeam>,
     ) -> Result<Self, KernelTable> {
         let tables: BTreeSet<u32> = tables.into_iter().collect();
         if let Some(t) = tables.iter().find(|t| matches!(t, 0 | 253..=255)) {
@@ -87,7 +87,7 @@ impl Rules {
     }
 }
 
-impl Backend for Rules {
+impl Backend for IpRules {
     fn name(&self) -> &'static str {
         "rules"
     }

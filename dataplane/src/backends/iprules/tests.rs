@@ -14,7 +14,7 @@ struct State {
 #[derive(Debug, Clone, Default)]
 struct Fake(Arc<Mutex<State>>);
 
-impl RuleSeam for Fake {
+impl IpRuleSeam for Fake {
     fn rules(&mut self) -> Result<Vec<IpRule>, BackendError> {
         let mut s = self.0.lock().unwrap();
         s.reads += 1;
@@ -51,7 +51,7 @@ fn rule(priority: u32, table: u32) -> IpRule {
 fn kernel_tables_cannot_be_owned() {
     for t in [0, 253, 254, 255] {
         assert_eq!(
-            Rules::new([1, t], Box::new(Fake::default())).unwrap_err(),
+            IpRules::new([1, t], Box::new(Fake::default())).unwrap_err(),
             KernelTable(t)
         );
     }
@@ -74,7 +74,7 @@ fn only_rules_of_our_tables_are_touched_and_only_the_differences() {
             s.rules.insert(r);
         }
     }
-    let mut b = Rules::new([1, 2], Box::new(k.clone())).unwrap();
+    let mut b = IpRules::new([1, 2], Box::new(k.clone())).unwrap();
     b.set([rule(99, 1), rule(99, 2), rule(10, 100)].into());
     assert_eq!(b.desired(), &BTreeSet::from([rule(99, 1), rule(99, 2)]));
     assert!(b.is_dirty(Phase::RoutesAndRules));

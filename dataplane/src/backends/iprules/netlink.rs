@@ -1,4 +1,4 @@
-//! The real [`RuleSeam`]: rtnetlink in the daemon's namespace, one socket
+//! The real [`IpRuleSeam`]: rtnetlink in the daemon's namespace, one socket
 //! owned by the rules backend (see [`crate::backends::netlink`]).
 
 use futures::TryStreamExt;
@@ -7,7 +7,7 @@ use netlink_packet_route::AddressFamily;
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage};
 use rtnetlink::IpVersion;
 
-use super::RuleSeam;
+use super::IpRuleSeam;
 use crate::backends::BackendError;
 use crate::backends::netlink::{Netlink, errno};
 use crate::model::routes::IpRule;
@@ -15,11 +15,11 @@ use crate::model::routes::IpRule;
 const ENOENT: i32 = 2;
 
 #[derive(Debug)]
-pub struct RuleNetlink {
+pub struct IpRuleNetlink {
     nl: Netlink,
 }
 
-impl RuleNetlink {
+impl IpRuleNetlink {
     pub fn open() -> Result<Self, BackendError> {
         Ok(Self {
             nl: Netlink::open("rules")?,
@@ -92,7 +92,7 @@ fn to_message(r: &IpRule) -> RuleMessage {
     m
 }
 
-impl RuleSeam for RuleNetlink {
+impl IpRuleSeam for IpRuleNetlink {
     fn rules(&mut self) -> Result<Vec<IpRule>, BackendError> {
         let mut out = Vec::new();
         for v in [IpVersion::V4, IpVersion::V6] {
