@@ -327,61 +327,48 @@ pub struct DesiredKernel {
     pub others: Vec<Box<dyn Backend>>,
 }
 
+/// Every backend slot of a [`DesiredKernel`], in apply order: the one list
+/// of them. `$iter` is `iter` or `iter_mut`, `$as` the trait-object
+/// reference, `$inner` how a boxed one is borrowed (`as_ref`/`as_mut`).
+/// A new slot goes here and in the struct, nowhere else.
+macro_rules! each_backend {
+    ($k:expr, $iter:ident, $as:ty, $inner:ident) => {
+        std::iter::empty::<$as>()
+            .chain($k.ipsets.$iter().map(|b| b as $as))
+            .chain($k.tables.$iter().map(|b| b as $as))
+            .chain($k.nftables.$iter().map(|b| b as $as))
+            .chain($k.vxlan.$iter().map(|b| b as $as))
+            .chain($k.wireguard.$iter().map(|b| b as $as))
+            .chain($k.xdp.$iter().map(|b| b as $as))
+            .chain($k.routes.$iter().map(|b| b as $as))
+            .chain($k.ip_rules.$iter().map(|b| b as $as))
+            .chain($k.sysctls.$iter().map(|b| b as $as))
+            .chain($k.others.$iter().map(|b| b.$inner() as $as))
+    };
+}
+
 impl std::fmt::Debug for DesiredKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DesiredKernel")
             .field(
                 "backends",
-                &self
-                    .ipsets
-                    .iter()
-                    .map(|b| b.name())
-                    .chain(self.tables.iter().map(|b| b.name()))
-                    .chain(self.nftables.iter().map(|b| b.name()))
-                    .chain(self.vxlan.iter().map(|b| b.name()))
-                    .chain(self.wireguard.iter().map(|b| b.name()))
-                    .chain(self.xdp.iter().map(|b| b.name()))
-                    .chain(self.routes.iter().map(|b| b.name()))
-                    .chain(self.ip_rules.iter().map(|b| b.name()))
-                    .chain(self.sysctls.iter().map(|b| b.name()))
-                    .chain(self.others.iter().map(|b| b.name()))
-                    .collect::<Vec<_>>(),
+                &self.backends().map(|b| b.name()).collect::<Vec<_>>(),
             )
             .finish()
     }
 }
 
 impl DesiredKernel {
+    pub fn backends(&self) -> impl Iterator<Item = &dyn Backend> {
+        each_backend!(self, iter, &dyn Backend, as_ref)
+    }
+
     pub fn backends_mut(&mut self) -> impl Iterator<Item = &mut dyn Backend> {
-        self.ipsets
-            .iter_mut()
-            .map(|b| b as &mut dyn Backend)
-            .chain(self.tables.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.nftables.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.vxlan.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.wireguard.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.xdp.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.routes.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.ip_rules.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(self.sysctls.iter_mut().map(|b| b as &mut dyn Backend))
-            .chain(
-                self.others
-                    .iter_mut()
-                    .map(|b| b.as_mut() as &mut dyn Backend),
-            )
+        each_backend!(self, iter_mut, &mut dyn Backend, as_mut)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ipsets.is_empty()
-            && self.tables.is_empty()
-            && self.nftables.is_empty()
-            && self.vxlan.is_none()
-            && self.wireguard.is_none()
-            && self.xdp.is_none()
-            && self.routes.is_none()
-            && self.ip_rules.is_none()
-            && self.sysctls.is_none()
-            && self.others.is_empty()
+        self.backends().next().is_none()
     }
 
     /// The tables of chains the managers write into, whichever dataplane
