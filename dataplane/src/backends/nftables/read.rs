@@ -286,15 +286,24 @@ fn read_rest(
         }
         by_chain = Some(m);
     }
+    let one_chain = |nl: &mut NftNetlink, name: &str| -> Result<Vec<String>, NftError> {
+        Ok(nl
+            .chain_rules(family, table, name)?
+            .into_iter()
+            .filter(|r| r.chain == name)
+            .map(|r| r.comment)
+            .collect())
+    };
     for c in chains {
-        let rules: Vec<String> = match by_chain.as_mut() {
-            Some(m) => m.remove(&c.name).unwrap_or_default(),
-            None => nl
-                .chain_rules(family, table, &c.name)?
-                .into_iter()
-                .filter(|r| r.chain == c.name)
-                .map(|r| r.comment)
-                .collect(),
+        let rules: Vec<String> = match by_chain.as_mut().map(|m| m.remove(&c.name)) {
+            Some(Some(rules)) => rules,
+            // A chain the table's dump showed without rules is read on
+            // its own: once in ~40 runs of the test beside another
+            // agent's commits, a dump counted whole (not flagged, the
+            // generation unchanged) came back without a 300-rule chain's
+            // rules (not understood yet). An empty chain costs a small
+            // dump; the others are taken from the one dump.
+            Some(None) | None => one_chain(nl, &c.name)?,
         };
         t.chains.insert(
             c.name,
